@@ -1,0 +1,1 @@
+"""The `cuflash2` command line (installed as cuflash2.cli)."""

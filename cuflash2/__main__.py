@@ -1,0 +1,3 @@
+from cuflash2.cli.main import main
+
+main()

@@ -1,0 +1,76 @@
+"""Benchmark primitives: FLOP counts (FA2's convention) and CUDA-event timing."""
+
+from __future__ import annotations
+
+import statistics
+
+#: Dense bf16/fp16 tensor-core peak, TFLOP/s, by GPU name fragment (datasheet figures).
+PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 80GB HBM3": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "RTX 6000 Ada": 364.0,
+    "RTX A6000": 155.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+}
+
+MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    """Number of (query, key) pairs attended to (bottom-right aligned causal mask)."""
+    if not causal:
+        return seqlen_q * seqlen_k
+    shift = seqlen_k - seqlen_q
+    return sum(min(seqlen_k, max(0, i + shift + 1)) for i in range(seqlen_q))
+
+
+def attention_flops(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, head_dim: int, causal: bool,
+                    mode: str = "fwd") -> float:
+    """FA2's convention: forward 4*b*h*d per visible pair (two GEMMs), backward 2.5x, both 3.5x.
+
+    For causal square problems FA2 halves the full count; counting visible pairs gives
+    s*(s+1)/2, which differs from that by under 1/s.
+    """
+    if causal and seqlen_q == seqlen_k:
+        pairs = seqlen_q * seqlen_k / 2
+    else:
+        pairs = visible_pairs(seqlen_q, seqlen_k, causal)
+    return 4.0 * batch * nheads * head_dim * pairs * MODE_FACTOR[mode]
+
+
+def peak_tflops(gpu_name: str) -> tuple[float | None, str]:
+    """(peak, source) for a GPU name; (None, reason) when unknown."""
+    for fragment, peak in PEAK_TFLOPS.items():
+        if fragment.lower() in gpu_name.lower():
+            return peak, f"datasheet dense bf16 for {fragment}"
+    return None, f"unknown GPU {gpu_name!r}"
+
+
+def time_cuda_ms(fn, warmup: int = 5, repeats: int = 20, flush_l2_bytes: int = 0) -> float:
+    """Median milliseconds of fn() measured with CUDA events on CuPy's current stream."""
+    import cupy as cp
+
+    stream = cp.cuda.get_current_stream()
+    scratch = cp.empty(flush_l2_bytes, dtype=cp.uint8) if flush_l2_bytes else None
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if scratch is not None:
+            scratch.fill(1)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)

@@ -1,0 +1,169 @@
+"""Kernel sources, NVRTC compilation and the compile cache.
+
+Sources are read from the package (``cuflash2/kernels_cu`` in an installed wheel, ``kernels_cu/``
+beside the package in a checkout) and their ``#include "..."`` lines are inlined, so the source
+string handed to CuPy covers every header: CuPy's on-disk cache is keyed on that string (it does not
+hash included files), so editing any header changes the key and nothing stale is ever loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.resources
+import pathlib
+import re
+import threading
+
+from .config import KernelConfig
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+_NVRTC_OPTIONS = ("-std=c++17", "-ftz=true")
+
+
+def kernel_dir() -> pathlib.Path:
+    """Folder holding the CUDA sources (installed package or source checkout)."""
+    packaged = importlib.resources.files("cuflash2") / "kernels_cu"
+    if packaged.is_dir():
+        return pathlib.Path(str(packaged))
+    checkout = pathlib.Path(__file__).resolve().parent.parent / "kernels_cu"
+    if checkout.is_dir():
+        return checkout
+    raise FileNotFoundError("cuflash2's CUDA sources (kernels_cu) are missing from this installation")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(file_name: str) -> str:
+    """`file_name` with every quoted include inlined once (headers use #pragma once)."""
+    folder = kernel_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (folder / name).read_text()
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(file_name)
+
+
+@functools.lru_cache(maxsize=None)
+def sources_hash() -> str:
+    """Hash over every file in kernels_cu/ (reported by `cuflash2 info`, used in cache keys)."""
+    digest = hashlib.sha256()
+    for path in sorted(kernel_dir().iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def source_file_for(config: KernelConfig) -> str:
+    return {"flash_fwd_kernel": "flash_fwd.cu"}[config.kernel]
+
+
+# --------------------------------------------------------------------------------------------
+# Compilation for the local GPU (CuPy RawModule; CuPy keeps the disk cache)
+# --------------------------------------------------------------------------------------------
+
+_loaded: dict[tuple[int, KernelConfig], object] = {}
+_load_lock = threading.Lock()
+
+
+def get_kernel(config: KernelConfig, device_id: int):
+    """The compiled kernel for `config` on `device_id`, compiled on first use (then cached)."""
+    key = (device_id, config)
+    kernel = _loaded.get(key)
+    if kernel is not None:
+        return kernel
+    with _load_lock:
+        kernel = _loaded.get(key)
+        if kernel is None:
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                module = cupy.RawModule(code=kernel_source(source_file_for(config)),
+                                        options=_NVRTC_OPTIONS,
+                                        name_expressions=[config.template_name()])
+                kernel = module.get_function(config.template_name())
+                if config.smem_bytes > 48 * 1024:
+                    kernel.max_dynamic_shared_size_bytes = config.smem_bytes
+            _loaded[key] = kernel
+    return kernel
+
+
+# --------------------------------------------------------------------------------------------
+# Offline compilation (no GPU needed): NVRTC straight, with ptxas' resource report
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    config: KernelConfig
+    arch: str
+    registers: int
+    stack_frame_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    smem_bytes: int
+    seconds: float
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.stack_frame_bytes == 0 and self.spill_store_bytes == 0 \
+            and self.spill_load_bytes == 0
+
+    def line(self) -> str:
+        status = "ok" if self.ok else ("ERROR" if self.error else "SPILL")
+        return (f"{status:5s} {self.arch:6s} {self.config.short_id():44s} regs={self.registers:3d} "
+                f"smem={self.smem_bytes:6d} stack={self.stack_frame_bytes} "
+                f"spill={self.spill_store_bytes}/{self.spill_load_bytes} ({self.seconds:.1f}s)")
+
+
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError("offline compilation needs CuPy: pip install 'cuflash2[cuda12]' "
+                           "(or 'cuflash2[cuda13]')") from exc
+    return nvrtc
+
+
+def _parse_ptxas_log(log: str) -> dict[str, int]:
+    def grab(pattern: str) -> int:
+        match = re.search(pattern, log)
+        return int(match.group(1)) if match else 0
+
+    return {
+        "registers": grab(r"Used (\d+) registers"),
+        "stack_frame_bytes": grab(r"(\d+) bytes stack frame"),
+        "spill_store_bytes": grab(r"(\d+) bytes spill stores"),
+        "spill_load_bytes": grab(r"(\d+) bytes spill loads"),
+    }
+
+
+def compile_offline(config: KernelConfig, arch: str) -> CompileReport:
+    """Compile `config` for `arch` (e.g. "sm_80", "sm_90") with NVRTC; no GPU needed."""
+    import time
+
+    nvrtc = _nvrtc()
+    start = time.perf_counter()
+    name = config.template_name()
+    program = nvrtc.createProgram(kernel_source(source_file_for(config)), "cuflash2.cu", [], [])
+    try:
+        nvrtc.addNameExpression(program, name)
+        error = ""
+        try:
+            nvrtc.compileProgram(program, [f"-arch={arch}", "--ptxas-options=-v", *_NVRTC_OPTIONS])
+        except nvrtc.NVRTCError:
+            error = "compile error"
+        log = nvrtc.getProgramLog(program)
+        if error:
+            error = log.strip() or error
+        stats = _parse_ptxas_log(log)
+    finally:
+        nvrtc.destroyProgram(program)
+    return CompileReport(config=config, arch=arch, smem_bytes=config.smem_bytes,
+                         seconds=time.perf_counter() - start, error=error, **stats)

@@ -1,0 +1,96 @@
+// PTX wrappers used by every cuflash2 kernel: tensor-core MMA, ldmatrix, cp.async, conversions.
+// No CUDA toolkit header is included anywhere: bare NVRTC must be able to compile these sources,
+// so 16-bit floats travel as raw u16/u32 bit patterns and are converted with PTX.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+#define CF_DEVICE __device__ __forceinline__
+
+// 16 bytes moved as one vectorised access.
+struct alignas(16) Chunk16 {
+    u32 x, y, z, w;
+};
+
+// Generic pointer -> 32-bit shared-state-space address (what ldmatrix / cp.async expect).
+CF_DEVICE u32 smem_addr(const void* ptr) {
+    u32 addr;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n"
+                 : "=r"(addr) : "l"(ptr));
+    return addr;
+}
+
+// ---- cp.async: global -> shared, 16 bytes, zero-filled when `valid` is false -------------------
+CF_DEVICE void cp_async_16(u32 dst, const void* src, bool valid) {
+    int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+CF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+CF_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(kPending)); }
+
+// ---- ldmatrix: four 8x8 b16 matrices; lane i supplies the row address for matrix i/8 ----------
+CF_DEVICE void ldmatrix_x4(u32 addr, u32 (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+CF_DEVICE void ldmatrix_x4_trans(u32 addr, u32 (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// ---- fast math ---------------------------------------------------------------------------------
+CF_DEVICE float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+CF_DEVICE float fast_log2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+CF_DEVICE float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+
+#define CF_INF __int_as_float(0x7f800000)
+
+// ---- element types: MMA m16n8k16 with fp32 accumulation, and float <-> 16-bit conversions ------
+// D = A * B + D. A: 16x16 row-major fragment (4 regs), B: 16x8 column-major fragment (2 regs).
+struct Bf16 {
+    static CF_DEVICE void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // (lo, hi) -> one register, lo in the low half.
+    static CF_DEVICE u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static CF_DEVICE float to_float(u16 x) { return __uint_as_float(((u32)x) << 16); }
+};
+
+struct Fp16 {
+    static CF_DEVICE void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static CF_DEVICE u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static CF_DEVICE float to_float(u16 x) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+        return f;
+    }
+};

@@ -1,0 +1,90 @@
+// Shared-memory tiles: swizzled layout, ldmatrix addressing, and predicated global <-> shared copies.
+#pragma once
+#include "ptx.cuh"
+
+// A kRows x kCols tile of 16-bit elements. Columns are stored in panels of 64 (or 32 when kCols is
+// not a multiple of 64); inside a panel a row is one run of 16-byte chunks. The chunk index is
+// XOR-ed with row bits so that the 8 rows read by one ldmatrix phase (same logical chunk) land in
+// 8 different 16-byte bank groups: ldmatrix and cp.async are then free of bank conflicts.
+template <int kRows, int kCols>
+struct SwizzledTile {
+    static_assert(kCols % 32 == 0, "tile width must be a multiple of 32 columns");
+    static constexpr int kPanelCols = (kCols % 64 == 0) ? 64 : 32;
+    static constexpr int kChunksPerRow = kPanelCols / 8;     // 8 or 4 chunks per panel row
+    static constexpr int kRowsPer128B = 8 / kChunksPerRow;   // rows sharing one 128-byte line
+    static constexpr int kRowBytes = kPanelCols * 2;
+    static constexpr int kPanelBytes = kRows * kRowBytes;
+    static constexpr int kBytes = kRows * kCols * 2;
+
+    // Only row % 8 matters, so rows that differ by a multiple of 8 share their swizzle.
+    static CF_DEVICE int swizzle(int row) { return (row / kRowsPer128B) % kChunksPerRow; }
+
+    // Byte offset of the 16-byte chunk holding columns [8*chunk, 8*chunk + 8) of `row`.
+    static CF_DEVICE int chunk_offset(int row, int chunk) {
+        int panel = chunk / kChunksPerRow;
+        return panel * kPanelBytes + row * kRowBytes + ((chunk % kChunksPerRow) ^ swizzle(row)) * 16;
+    }
+};
+
+// Per-lane ldmatrix address generator. A lane always reads the same row (up to multiples of 8,
+// which keep the swizzle) and the same parity of chunk, so the swizzle is folded once into
+// `lane_xor` and each address is base + constant + (constant ^ lane_xor) * 16.
+template <class Tile>
+struct LdsmCursor {
+    u32 row_addr;
+    int lane_xor;
+    CF_DEVICE LdsmCursor(u32 tile_addr, int row, int lane_chunk)
+        : row_addr(tile_addr + row * Tile::kRowBytes), lane_xor(lane_chunk ^ Tile::swizzle(row)) {}
+    // Address of logical chunk (chunk_even + lane_chunk) in row (row + row_offset);
+    // row_offset must be a multiple of 8 and chunk_even even (both compile-time in practice).
+    CF_DEVICE u32 at(int row_offset, int chunk_even) const {
+        int panel = chunk_even / Tile::kChunksPerRow;
+        return row_addr + panel * Tile::kPanelBytes + row_offset * Tile::kRowBytes +
+               (((chunk_even % Tile::kChunksPerRow) ^ lane_xor) << 4);
+    }
+};
+
+// Asynchronously copy a kRows x kCols tile from global memory (row stride in elements, last dim
+// contiguous) into a swizzled shared tile. Rows >= valid_rows and columns >= valid_cols are
+// zero-filled, so tails never feed garbage (or NaN) into the MMAs.
+template <class Tile, int kRows, int kCols, int kThreads>
+CF_DEVICE void copy_tile_async(u32 smem_tile, const u16* gmem, i64 row_stride, int valid_rows,
+                               int valid_cols, int tid) {
+    constexpr int kChunks = kCols / 8;
+    constexpr int kTotal = kRows * kChunks;
+    constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        int idx = it * kThreads + tid;
+        if (kTotal % kThreads == 0 || idx < kTotal) {
+            int row = idx / kChunks;
+            int chunk = idx % kChunks;
+            bool valid = row < valid_rows && chunk * 8 < valid_cols;
+            const u16* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
+            cp_async_16(smem_tile + Tile::chunk_offset(row, chunk), src, valid);
+        }
+    }
+}
+
+// Copy rows [row0, row0 + kRowsCopied) of a swizzled shared tile to global memory with 16-byte
+// stores, skipping rows >= valid_rows and columns >= valid_cols. `lane`/`kLanes` spread the chunks
+// over the threads taking part (a warp or the whole block).
+template <class Tile, int kRowsCopied, int kCols, int kLanes>
+CF_DEVICE void store_tile(const char* smem_tile, int row0, u16* gmem, i64 row_stride, int valid_rows,
+                          int valid_cols, int lane) {
+    constexpr int kChunks = kCols / 8;
+    constexpr int kTotal = kRowsCopied * kChunks;
+    constexpr int kIters = (kTotal + kLanes - 1) / kLanes;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        int idx = it * kLanes + lane;
+        if (kTotal % kLanes == 0 || idx < kTotal) {
+            int row = idx / kChunks;
+            int chunk = idx % kChunks;
+            if (row < valid_rows && chunk * 8 < valid_cols) {
+                Chunk16 v = *reinterpret_cast<const Chunk16*>(smem_tile + Tile::chunk_offset(row0 + row, chunk));
+                *reinterpret_cast<Chunk16*>(gmem + row * row_stride + chunk * 8) = v;
+            }
+        }
+    }
+}

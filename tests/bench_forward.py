@@ -1,0 +1,94 @@
+"""Forward benchmark + tile sweep on the GPU, next to torch SDPA (flash and cuDNN) in the same run.
+
+Usage: python tests/bench_forward.py [--sweep] [--seqlens 4096] [--dtype bf16]
+"""
+
+import argparse
+import json
+import math
+
+import cupy as cp
+import numpy as np
+
+import cuflash2
+from cuflash2 import api, bench
+from cuflash2.config import KernelConfig, forward_config
+from cuflash2.validate import AttentionShape
+
+
+def torch_sdpa(backend_name):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqlens", default="4096")
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import torch
+
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    rows = []
+    for seqlen in map(int, args.seqlens.split(",")):
+        for head_dim in map(int, args.head_dims.split(",")):
+            for causal in (False, True):
+                batch, heads = 16384 // seqlen, 2048 // head_dim
+                q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=tdtype) for _ in range(3))
+                flops = bench.attention_flops(batch, seqlen, seqlen, heads, head_dim, causal)
+                row = {"seqlen": seqlen, "head_dim": head_dim, "causal": causal}
+                row["cuflash2"] = flops / bench.time_cuda_ms(lambda: cuflash2.flash_attn_func(q, k, v, causal=causal)) / 1e9
+                for name in ("flash", "cudnn"):
+                    fn = torch_sdpa(name)
+                    try:
+                        row[name] = flops / bench.time_cuda_ms(lambda: fn(q, k, v, causal)) / 1e9
+                    except Exception as exc:  # backend unavailable for this shape
+                        row[name] = float("nan")
+                if args.sweep:
+                    row["sweep"] = sweep(q, k, v, causal, args.dtype, flops)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\n{'seqlen':>6} {'hdim':>4} {'causal':>6} {'cuflash2':>9} {'flash':>7} {'cudnn':>7} {'vs flash':>8}")
+    for r in rows:
+        print(f"{r['seqlen']:6d} {r['head_dim']:4d} {str(r['causal']):>6} {r['cuflash2']:9.1f} {r['flash']:7.1f} "
+              f"{r['cudnn']:7.1f} {r['cuflash2'] / r['flash']:8.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def sweep(q, k, v, causal, dtype, flops):
+    """TFLOP/s of alternative tile shapes (for tuning the config table)."""
+    qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
+    b, s, h, d = qc.shape
+    shape = AttentionShape(b, s, s, h, h, d, np.dtype(qc.dtype).name, 1 / math.sqrt(d))
+    out = cp.empty_like(qc)
+    results = {}
+    for block_m, block_n, warps, stages in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3),
+                                            (128, 32, 4, 2), (64, 64, 4, 2), (128, 128, 4, 2), (128, 64, 4, 3),
+                                            (128, 32, 8, 3), (64, 128, 4, 2)]:
+        config = KernelConfig(dtype, forward_config(d, dtype, causal, 90).head_dim, block_m, block_n, warps, stages,
+                              causal)
+        if config.smem_bytes > 227 * 1024:
+            continue
+        try:
+            ms = bench.time_cuda_ms(lambda: api._forward_cupy(qc, kc, vc, out, shape, causal, 0, config), 3, 10)
+            results[config.short_id()] = round(flops / ms / 1e9, 1)
+        except Exception as exc:
+            results[config.short_id()] = str(exc)[:80]
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+import pytest
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.is_available()
+    except Exception:
+        return False
+
+
+HAS_GPU = _gpu_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU available")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
