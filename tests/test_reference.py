@@ -367,6 +367,20 @@ def test_unseen_keys_get_zero_gradients():
         assert (np.abs(dv[:, ~unseen]) > 0).all()
 
 
+def test_backward_treats_infinite_lse_as_empty_row():
+    # Contract shared with the kernel: lse = +inf means "this row has P = 0".
+    rng = np.random.default_rng(11)
+    q, k, v = make_qkv(rng, 1, 6, 5, 2, 2, 8)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = ref.attention_naive(q, k, v)
+    lse[:, :, 2] = np.inf
+    out[:, 2] = 0
+    for fn in (ref.attention_backward_naive, ref.attention_backward_tiled):
+        dq, dk, dv = fn(dout, q, k, v, out, lse)
+        assert (dq[:, 2] == 0).all() and (np.abs(dq[:, 3]) > 0).all()
+        assert all(np.isfinite(g).all() for g in (dq, dk, dv))
+
+
 # -------------------------------------------------------------------- backward
 
 
