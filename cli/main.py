@@ -8,6 +8,10 @@ import click
 
 from cuflash2 import config as cfg
 
+from .bench_cmd import bench_command
+from .check_cmd import check_command
+from .info_cmd import info_command
+
 
 def _parse_int_list(text: str | None, name: str) -> list[int] | None:
     if text is None:
@@ -103,6 +107,11 @@ def _compile_local(dims: list[int], dtypes: list[str]) -> int:
             click.echo(f"ERROR sm_{arch} {config.short_id()}: {exc}")
             failures += 1
     return failures
+
+
+main.add_command(info_command)
+main.add_command(check_command)
+main.add_command(bench_command)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@ if (_checkout / "cli").is_dir() and not (_pathlib.Path(__file__).parent / "cli")
 
 from .api import (attention_probs, flash_attn_forward, flash_attn_func, flash_attn_kvpacked_func,  # noqa: E402
                   flash_attn_qkvpacked_func)
+from .backward import flash_attn_backward  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention_probs",
+    "flash_attn_backward",
     "flash_attn_forward",
     "flash_attn_func",
     "flash_attn_kvpacked_func",

@@ -60,10 +60,6 @@ def sources_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def source_file_for(config: KernelConfig) -> str:
-    return {"flash_fwd_kernel": "flash_fwd.cu"}[config.kernel]
-
-
 # --------------------------------------------------------------------------------------------
 # Compilation for the local GPU (CuPy RawModule; CuPy keeps the disk cache)
 # --------------------------------------------------------------------------------------------
@@ -84,7 +80,7 @@ def get_kernel(config: KernelConfig, device_id: int):
             import cupy
 
             with cupy.cuda.Device(device_id):
-                module = cupy.RawModule(code=kernel_source(source_file_for(config)),
+                module = cupy.RawModule(code=kernel_source(config.source_file),
                                         options=_NVRTC_OPTIONS,
                                         name_expressions=[config.template_name()])
                 kernel = module.get_function(config.template_name())
@@ -151,7 +147,7 @@ def compile_offline(config: KernelConfig, arch: str) -> CompileReport:
     nvrtc = _nvrtc()
     start = time.perf_counter()
     name = config.template_name()
-    program = nvrtc.createProgram(kernel_source(source_file_for(config)), "cuflash2.cu", [], [])
+    program = nvrtc.createProgram(kernel_source(config.source_file), "cuflash2.cu", [], [])
     try:
         nvrtc.addNameExpression(program, name)
         error = ""

@@ -3,7 +3,7 @@
 A frozen :class:`KernelConfig` is at once the template arguments of one kernel instantiation, the
 key of the compile cache and the id of its tests. Head dims are served by buckets (multiples of 32
 up to 256): a head dim of 40 runs the 64-wide kernel with the columns past 40 zero-filled on load
-and never stored, so 8 buckets x 2 dtypes x 2 mask flags cover every supported head dim.
+and never stored, so 8 buckets cover every supported head dim.
 """
 
 from __future__ import annotations
@@ -22,21 +22,30 @@ SMEM_LIMIT_BYTES = {
     89: 99 * 1024,
     90: 227 * 1024,
 }
-SUPPORTED_ARCHS = (80, 90)  # archs with a tuned tile table; others fall back to the closest below
+
+FWD, BWD, BWD_DQ, BWD_DOT, BWD_CONVERT = ("flash_fwd_kernel", "flash_bwd_kernel", "flash_bwd_dq_kernel",
+                                          "flash_bwd_dot_do_o_kernel", "flash_bwd_convert_kernel")
+SOURCE_FILE = {FWD: "flash_fwd.cu", BWD: "flash_bwd.cu", BWD_DQ: "flash_bwd_dq.cu",
+               BWD_DOT: "flash_bwd_prepost.cu", BWD_CONVERT: "flash_bwd_prepost.cu"}
+_CPP_TYPE = {"bf16": "Bf16", "fp16": "Fp16"}
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """One forward-kernel instantiation (template arguments in template order)."""
+    """One kernel instantiation.
 
+    `flags` holds the backward kernel's (dv, dk, dq, float_dkv) switches; unused fields are 0.
+    """
+
+    kernel: str
     dtype: str  # "bf16" | "fp16"
-    head_dim: int  # the bucket, not the user's head dim
-    block_m: int
-    block_n: int
-    warps: int
-    stages: int
-    causal: bool
-    kernel: str = "flash_fwd_kernel"
+    head_dim: int = 0  # the bucket, not the user's head dim
+    block_m: int = 0
+    block_n: int = 0
+    warps: int = 4
+    stages: int = 0
+    causal: bool = False
+    flags: tuple[bool, ...] = ()
 
     @property
     def threads(self) -> int:
@@ -44,25 +53,48 @@ class KernelConfig:
 
     @property
     def smem_bytes(self) -> int:
-        q_tile = self.block_m * self.head_dim * 2
-        kv_slot = self.block_n * self.head_dim * 2
-        return q_tile + self.stages * kv_slot
+        d, m, n = self.head_dim, self.block_m, self.block_n
+        if self.kernel == FWD:
+            return m * d * 2 + self.stages * n * d * 2
+        if self.kernel == BWD:
+            with_dq = self.flags[2]
+            return 2 * n * d * 2 + self.stages * (2 * m * d * 2 + 2 * m * 4) + (n * m * 2 if with_dq else 0)
+        if self.kernel == BWD_DQ:
+            return 2 * m * d * 2 + 2 * n * d * 2
+        return 0
 
     def template_name(self) -> str:
         """The C++ name expression NVRTC instantiates and CuPy looks up."""
-        cpp_type = {"bf16": "Bf16", "fp16": "Fp16"}[self.dtype]
-        causal = "true" if self.causal else "false"
-        return (f"{self.kernel}<{cpp_type}, {self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{self.warps}, {self.stages}, {causal}>")
+        def cpp(*values):
+            return ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in values)
+
+        t, d, m, n, w, s, c = (_CPP_TYPE[self.dtype], self.head_dim, self.block_m, self.block_n, self.warps,
+                               self.stages, self.causal)
+        args = {FWD: cpp(t, d, m, n, w, s, c), BWD: cpp(t, d, m, n, w, s, c, *self.flags),
+                BWD_DQ: cpp(t, d, m, n, w, c), BWD_DOT: cpp(t, d), BWD_CONVERT: cpp(t)}[self.kernel]
+        return f"{self.kernel}<{args}>"
 
     def short_id(self) -> str:
-        mask = "causal" if self.causal else "full"
-        return (f"fwd-{self.dtype}-d{self.head_dim}-{mask}-m{self.block_m}n{self.block_n}"
-                f"w{self.warps}s{self.stages}")
+        name = {FWD: "fwd", BWD: "bwd", BWD_DQ: "bwd-dq", BWD_DOT: "bwd-dot", BWD_CONVERT: "bwd-convert"}[self.kernel]
+        parts = [name, self.dtype]
+        if self.head_dim:
+            parts.append(f"d{self.head_dim}")
+        if self.block_m:
+            parts.append("causal" if self.causal else "full")
+            parts.append(f"m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}")
+        if self.flags:
+            parts.append("".join(name for name, on in zip(("dv", "dk", "dq", "f32"), self.flags) if on))
+        return "-".join(parts)
+
+    @property
+    def source_file(self) -> str:
+        return SOURCE_FILE[self.kernel]
 
 
 def head_dim_bucket(head_dim: int) -> int:
     """Smallest bucket holding head_dim (the kernel's padded width)."""
+    if head_dim < 1:
+        raise ValueError(f"head_dim: expected a positive head dim, got {head_dim}")
     for bucket in HEAD_DIM_BUCKETS:
         if head_dim <= bucket:
             return bucket
@@ -75,18 +107,29 @@ def smem_limit(arch: int) -> int:
         return SMEM_LIMIT_BYTES[arch]
     if arch < 80:
         raise ValueError(f"arch: expected compute capability >= 8.0, got {arch // 10}.{arch % 10}")
-    # Newer GPUs without an entry (sm_100, sm_120, ...): assume the small consumer-class budget.
-    return SMEM_LIMIT_BYTES[86] if arch % 10 != 0 else SMEM_LIMIT_BYTES[80]
+    # Newer GPUs without an entry (sm_100, sm_120, ...): data-centre parts (x0) get the A100 budget,
+    # others the consumer budget.
+    return SMEM_LIMIT_BYTES[80] if arch % 10 == 0 else SMEM_LIMIT_BYTES[86]
 
 
-# (block_m, block_n, warps, stages) per head-dim bucket, for GPUs with large shared memory
-# (A100/H100 class) and for the 99 KB consumer parts. Each warp owns 16 * block_m / (16 * warps)
-# query rows; keeping the fp32 output accumulator under ~128 registers per thread avoids spills.
+def _large_smem(arch: int) -> bool:
+    return smem_limit(arch) >= SMEM_LIMIT_BYTES[80]
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+
+
+# ---- forward ------------------------------------------------------------------------------------
+# (block_m, block_n, warps, stages) per head-dim bucket. With 4 warps each warp owns 32 query rows
+# (two MMA row tiles share every K/V fragment read from shared memory, halving that traffic); the
+# fp32 output accumulator then costs head_dim registers, so large head dims go to 8 warps.
 _FWD_TILES_LARGE_SMEM = {
     32: (128, 128, 4, 2),
-    64: (128, 64, 4, 2),
-    96: (128, 64, 8, 2),
-    128: (128, 64, 8, 2),
+    64: (128, 64, 4, 3),
+    96: (128, 32, 4, 2),
+    128: (128, 32, 4, 2),
     160: (128, 64, 8, 2),
     192: (128, 64, 8, 2),
     224: (128, 64, 8, 2),
@@ -95,8 +138,8 @@ _FWD_TILES_LARGE_SMEM = {
 _FWD_TILES_SMALL_SMEM = {
     32: (128, 128, 4, 2),
     64: (128, 64, 4, 2),
-    96: (128, 64, 8, 2),
-    128: (128, 64, 8, 2),
+    96: (128, 32, 4, 2),
+    128: (128, 32, 4, 2),
     160: (64, 64, 4, 2),
     192: (64, 64, 4, 2),
     224: (64, 64, 4, 2),
@@ -106,18 +149,105 @@ _FWD_TILES_SMALL_SMEM = {
 
 def forward_config(head_dim: int, dtype: str, causal: bool, arch: int) -> KernelConfig:
     """Tile shape for the forward kernel on compute capability `arch`."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
-    limit = smem_limit(arch)
-    table = _FWD_TILES_LARGE_SMEM if limit >= SMEM_LIMIT_BYTES[80] else _FWD_TILES_SMALL_SMEM
+    table = _FWD_TILES_LARGE_SMEM if _large_smem(arch) else _FWD_TILES_SMALL_SMEM
     block_m, block_n, warps, stages = table[bucket]
-    config = KernelConfig(dtype, bucket, block_m, block_n, warps, stages, bool(causal))
-    assert config.smem_bytes <= limit, f"{config.short_id()} needs {config.smem_bytes} B of shared memory"
+    config = KernelConfig(FWD, dtype, bucket, block_m, block_n, warps, stages, bool(causal))
+    assert config.smem_bytes <= smem_limit(arch), f"{config.short_id()} needs {config.smem_bytes} B"
     return config
 
 
+# ---- backward -----------------------------------------------------------------------------------
+# Each warp of the main backward kernel owns 16 keys and keeps their dK and dV accumulators in
+# registers (head_dim / 2 registers each). Up to head dim 128 one launch produces dV, dK and dQ; above
+# that the register file cannot hold both accumulators, so dV and (dK, dQ) come from two launches
+# that each recompute P (one extra Q K^T product out of five GEMMs).
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """The launches of one backward pass, in order."""
+
+    dot: KernelConfig  # D = rowsum(dO * O)
+    main: tuple[KernelConfig, ...]  # dK/dV (and dQ via atomics unless deterministic)
+    dq: KernelConfig | None  # deterministic dQ kernel, or None when dQ comes from atomics
+    convert: KernelConfig  # fp32 accumulators -> output dtype
+
+    def kernels(self) -> tuple[KernelConfig, ...]:
+        return (self.dot, *self.main, *((self.dq,) if self.dq else ()), self.convert)
+
+
+def _bwd_main(dtype, bucket, block_m, causal, flags, arch, max_stages=2) -> KernelConfig:
+    for stages in range(max_stages, 0, -1):
+        config = KernelConfig(BWD, dtype, bucket, block_m, 64, 4, stages, causal, flags)
+        if config.smem_bytes <= smem_limit(arch):
+            return config
+    raise AssertionError(f"no backward tile fits {smem_limit(arch)} B for head dim {bucket}")
+
+
+def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, deterministic: bool = False,
+                  gqa: bool = False, split: bool | None = None) -> BackwardPlan:
+    """Kernels (and tile shapes) of one backward pass.
+
+    gqa: dK/dV are accumulated per query head in fp32 and summed over each group afterwards.
+    split: produce dV and (dK, dQ) in two launches (default: only above head dim 128).
+    """
+    _check_dtype(dtype)
+    bucket = head_dim_bucket(head_dim)
+    causal = bool(causal)
+    atomic_dq = not deterministic
+    if split is None:
+        split = bucket > 128
+    if not split:
+        # 64 query rows per step up to head dim 64; above, 32 rows and a single Q/dO stage keep the
+        # dK, dV and dQ accumulators within 255 registers without spilling.
+        block_m, stages = (64, 2) if bucket <= 64 else (32, 1)
+        main = (_bwd_main(dtype, bucket, block_m, causal, (True, True, atomic_dq, gqa), arch, stages),)
+    else:
+        dk_block_m, dk_stages = (64, 2) if bucket <= 128 else (32, 1)
+        main = (_bwd_main(dtype, bucket, 64, causal, (True, False, False, gqa), arch),
+                _bwd_main(dtype, bucket, dk_block_m, causal, (False, True, atomic_dq, gqa), arch, dk_stages))
+    dq = None
+    if deterministic:
+        block_n = 64 if bucket <= 128 else 32
+        dq = KernelConfig(BWD_DQ, dtype, bucket, 64, block_n, 4, 0, causal)
+        assert dq.smem_bytes <= smem_limit(arch)
+    return BackwardPlan(KernelConfig(BWD_DOT, dtype, bucket, warps=8), main, dq,
+                        KernelConfig(BWD_CONVERT, dtype, warps=8))
+
+
+# ---- everything ---------------------------------------------------------------------------------
+
 def all_forward_configs(arch: int) -> list[KernelConfig]:
-    """Every forward instantiation the library can launch on `arch` (for precompilation)."""
+    """Every forward instantiation the library can launch on `arch`."""
     return [forward_config(bucket, dtype, causal, arch)
             for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)]
+
+
+def all_backward_configs(arch: int) -> list[KernelConfig]:
+    """Every backward instantiation (all plans: deterministic or not, MHA or GQA)."""
+    configs: dict[KernelConfig, None] = {}
+    for bucket in HEAD_DIM_BUCKETS:
+        for dtype in DTYPES:
+            for causal in (False, True):
+                for deterministic in (False, True):
+                    for gqa in (False, True):
+                        for config in backward_plan(bucket, dtype, causal, arch, deterministic, gqa).kernels():
+                            configs[config] = None
+    return list(configs)
+
+
+def tuning_backward_configs(arch: int) -> list[KernelConfig]:
+    """The alternative (split) plans benchmarks compare against the defaults, head dims 96-128."""
+    configs: dict[KernelConfig, None] = {}
+    for bucket in (96, 128):
+        for dtype in DTYPES:
+            for causal in (False, True):
+                for config in backward_plan(bucket, dtype, causal, arch, split=True).kernels():
+                    configs[config] = None
+    return list(configs)
+
+
+def all_configs(arch: int) -> list[KernelConfig]:
+    return all_forward_configs(arch) + all_backward_configs(arch)

@@ -32,4 +32,18 @@ struct BlockMask {
     CF_DEVICE bool visible(int row, int col) const {
         return col < seqlen_k && (!kCausal || col <= row + diagonal_shift());
     }
+
+    // Backward: the query blocks [begin, end) holding a row that sees some key of key block n_block.
+    CF_DEVICE int query_block_begin(int n_block, int block_m, int block_n) const {
+        if (!kCausal) return 0;
+        int first_row = n_block * block_n - diagonal_shift();  // first row that sees the block's first key
+        return first_row <= 0 ? 0 : first_row / block_m;
+    }
+    CF_DEVICE int query_block_end(int block_m) const { return (seqlen_q + block_m - 1) / block_m; }
+
+    // Backward: does tile (m_block, n_block) need the element-wise mask (tails or diagonal)?
+    CF_DEVICE bool tile_needs_mask(int m_block, int n_block, int block_m, int block_n) const {
+        return (m_block + 1) * block_m > seqlen_q || block_needs_mask(m_block, n_block, block_m, block_n);
+    }
+    CF_DEVICE bool visible_in_range(int row, int col) const { return row < seqlen_q && visible(row, col); }
 };

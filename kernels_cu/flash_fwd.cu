@@ -8,6 +8,7 @@
 #include "smem_tile.cuh"
 #include "block_mask.cuh"
 #include "online_softmax.cuh"
+#include "warp_gemm.cuh"
 
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal>
 struct FwdTraits {
@@ -23,62 +24,6 @@ struct FwdTraits {
     static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
     static_assert(kStages >= 2, "the K/V ring needs at least two slots");
 };
-
-// S[mt][nt] = Q_warp K^T over the whole head dim, Q and K read from swizzled shared memory.
-template <class Tr, class T>
-CF_DEVICE void gemm_qk(float (&s)[Tr::kMTiles][Tr::kNTiles][4], const LdsmCursor<typename Tr::QTile>& q_cur,
-                       const LdsmCursor<typename Tr::KVTile>& k_cur) {
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < Tr::kNTiles; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < Tr::kDTiles / 2; ++kk) {
-        u32 a[Tr::kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < Tr::kMTiles; ++mt) ldmatrix_x4(q_cur.at(mt * 16, 2 * kk), a[mt]);
-#pragma unroll
-        for (int np = 0; np < Tr::kNTiles / 2; ++np) {
-            u32 b[4];  // {b0, b1} of key tile 2np, then of key tile 2np + 1
-            ldmatrix_x4(k_cur.at(np * 16, 2 * kk), b);
-#pragma unroll
-            for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-                T::mma(s[mt][2 * np], a[mt], b[0], b[1]);
-                T::mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-            }
-        }
-    }
-}
-
-// O[mt] += P V: P (probabilities, fp32 accumulators of S) is repacked in registers as the A operand;
-// the C layout of two adjacent 8-key tiles is exactly the A layout of one 16-key step.
-template <class Tr, class T>
-CF_DEVICE void gemm_pv(float (&o)[Tr::kMTiles][Tr::kDTiles][4], const float (&p)[Tr::kMTiles][Tr::kNTiles][4],
-                       const LdsmCursor<typename Tr::KVTile>& v_cur) {
-#pragma unroll
-    for (int ks = 0; ks < Tr::kNTiles / 2; ++ks) {
-        u32 a[Tr::kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-            a[mt][0] = T::pack(p[mt][2 * ks][0], p[mt][2 * ks][1]);
-            a[mt][1] = T::pack(p[mt][2 * ks][2], p[mt][2 * ks][3]);
-            a[mt][2] = T::pack(p[mt][2 * ks + 1][0], p[mt][2 * ks + 1][1]);
-            a[mt][3] = T::pack(p[mt][2 * ks + 1][2], p[mt][2 * ks + 1][3]);
-        }
-#pragma unroll
-        for (int dp = 0; dp < Tr::kDTiles / 2; ++dp) {
-            u32 b[4];  // {b0, b1} of output column tile 2dp, then of 2dp + 1
-            ldmatrix_x4_trans(v_cur.at(ks * 16, 2 * dp), b);
-#pragma unroll
-            for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-                T::mma(o[mt][2 * dp], a[mt], b[0], b[1]);
-                T::mma(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
-            }
-        }
-    }
-}
 
 template <class Tr, bool kCausal>
 CF_DEVICE void apply_mask(float (&s)[Tr::kMTiles][Tr::kNTiles][4], const BlockMask<kCausal>& mask, int row0, int col0,
@@ -125,30 +70,25 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int n_end = mask.key_block_end(m_block, kBlockM, kBlockN);
 
     float acc_o[Tr::kMTiles][Tr::kDTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt)
-#pragma unroll
-        for (int dt = 0; dt < Tr::kDTiles; ++dt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] = 0.f;
+    zero_acc(acc_o);
     OnlineSoftmax<Tr::kMTiles, Tr::kNTiles> softmax;
     softmax.init();
 
     // Tile t of the K/V stream: K of key block n_end-1-t/2 when t is even, V of it when odd.
+    const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> k_loader(tid, k_row_stride);
+    const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> v_loader(tid, v_row_stride);
     auto load_kv_tile = [&](int t) {
         if (t < 2 * n_end) {
-            int n_block = n_end - 1 - t / 2;
-            const u16* src = (t % 2 == 0 ? k_head : v_head) + (i64)n_block * kBlockN * (t % 2 == 0 ? k_row_stride : v_row_stride);
-            copy_tile_async<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads>(
-                kv_smem + (t % kStages) * Tr::KVTile::kBytes, src, t % 2 == 0 ? k_row_stride : v_row_stride,
-                seqlen_k - n_block * kBlockN, head_dim, tid);
+            const int n_block = n_end - 1 - t / 2;
+            const u32 slot = kv_smem + (t % kStages) * Tr::KVTile::kBytes;
+            if (t % 2 == 0) k_loader.load(slot, k_head + (i64)n_block * kBlockN * k_row_stride, seqlen_k - n_block * kBlockN, head_dim);
+            else v_loader.load(slot, v_head + (i64)n_block * kBlockN * v_row_stride, seqlen_k - n_block * kBlockN, head_dim);
         }
         cp_async_commit();
     };
 
     if (n_end > 0) {
-        copy_tile_async<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads>(q_smem, q_blk, q_row_stride, rows_left,
-                                                                             head_dim, tid);
+        TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads>(tid, q_row_stride).load(q_smem, q_blk, rows_left, head_dim);
 #pragma unroll
         for (int t = 0; t < kStages - 1; ++t) load_kv_tile(t);  // Q rides in the first group
 
@@ -163,8 +103,9 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             __syncthreads();  // K_n landed for all threads; the slot refilled next is no longer read
             load_kv_tile(t + kStages - 1);
 
-            float s[Tr::kMTiles][Tr::kNTiles][4];
-            gemm_qk<Tr, T>(s, q_cur, k_cur);
+            float s[Tr::kMTiles][Tr::kNTiles][4];  // S = Q K^T
+            zero_acc(s);
+            gemm_abt<T, Tr::kMTiles, Tr::kNTiles, kHeadDim / 16>(s, q_cur, k_cur);
 
             cp_async_wait<kStages - 2>();
             __syncthreads();  // V_n landed
@@ -172,9 +113,8 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 
             if (mask.block_needs_mask(m_block, n_block, kBlockM, kBlockN))
                 apply_mask<Tr, kCausal>(s, mask, m_block * kBlockM + warp_row0, n_block * kBlockN, lane);
-            if (it == 0) softmax.template update<true>(s, acc_o, scale_log2);
-            else softmax.template update<false>(s, acc_o, scale_log2);
-            gemm_pv<Tr, T>(acc_o, s, v_cur);
+            softmax.update(s, acc_o, scale_log2);
+            gemm_rs<T, Tr::kMTiles, Tr::kNTiles, Tr::kDTiles>(acc_o, s, v_cur);  // O += P V
         }
     }
 

@@ -23,7 +23,8 @@ struct OnlineSoftmax {
     // Turns s into unnormalised probabilities and rescales the output accumulator by
     // exp2(old_max - new_max). A row whose max is still -inf (nothing visible yet) subtracts 0
     // instead, so exp2(-inf) = 0 and no NaN appears.
-    template <bool kFirstBlock, int kOTiles>
+    // The first block needs no special case: its correction is exp2(-inf) = 0 times a zero accumulator.
+    template <int kOTiles>
     CF_DEVICE void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kOTiles][4], float scale_log2) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -35,14 +36,12 @@ struct OnlineSoftmax {
                 mx = fmaxf(mx, shfl_xor(mx, 1));
                 mx = fmaxf(mx, shfl_xor(mx, 2));
                 float max_scaled = (mx == -CF_INF) ? 0.f : mx * scale_log2;
-                if (!kFirstBlock) {
-                    float correction = fast_exp2(row_max[mt][r] * scale_log2 - max_scaled);
-                    row_sum[mt][r] *= correction;
+                float correction = fast_exp2(row_max[mt][r] * scale_log2 - max_scaled);
+                row_sum[mt][r] *= correction;
 #pragma unroll
-                    for (int ot = 0; ot < kOTiles; ++ot) {
-                        o[mt][ot][2 * r] *= correction;
-                        o[mt][ot][2 * r + 1] *= correction;
-                    }
+                for (int ot = 0; ot < kOTiles; ++ot) {
+                    o[mt][ot][2 * r] *= correction;
+                    o[mt][ot][2 * r + 1] *= correction;
                 }
                 row_max[mt][r] = mx;
                 float sum = 0.f;

@@ -94,3 +94,9 @@ struct Fp16 {
         return f;
     }
 };
+
+// 4-byte cp.async (for per-row fp32 vectors such as LSE), zero-filled when `valid` is false.
+CF_DEVICE void cp_async_4(u32 dst, const void* src, bool valid) {
+    int src_bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+}

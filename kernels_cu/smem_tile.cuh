@@ -44,27 +44,55 @@ struct LdsmCursor {
     }
 };
 
-// Asynchronously copy a kRows x kCols tile from global memory (row stride in elements, last dim
-// contiguous) into a swizzled shared tile. Rows >= valid_rows and columns >= valid_cols are
+// Asynchronous global -> shared copier for kRows x kCols tiles, as one thread sees it.
+// Threads are laid out over one panel (kChunksPerRow chunks wide, kThreads / kChunksPerRow rows tall)
+// and step down the rows and across the panels. A thread's chunk column never changes, and its row
+// only moves by multiples of a power of two above its base row, so the swizzle splits into a
+// per-thread part (computed once) and a compile-time part: each copy is an add, an xor and a
+// predicate instead of a full index computation. Rows >= valid_rows and columns >= valid_cols are
 // zero-filled, so tails never feed garbage (or NaN) into the MMAs.
 template <class Tile, int kRows, int kCols, int kThreads>
-CF_DEVICE void copy_tile_async(u32 smem_tile, const u16* gmem, i64 row_stride, int valid_rows,
-                               int valid_cols, int tid) {
-    constexpr int kChunks = kCols / 8;
-    constexpr int kTotal = kRows * kChunks;
-    constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+struct TileLoader {
+    static constexpr int kCpr = Tile::kChunksPerRow;
+    static constexpr int kPanels = kCols / Tile::kPanelCols;
+    static constexpr int kRowsPerIter = kThreads / kCpr;
+    static constexpr int kRowIters = (kRows + kRowsPerIter - 1) / kRowsPerIter;
+    static_assert(kThreads % kCpr == 0 && (kRowsPerIter & (kRowsPerIter - 1)) == 0, "thread layout");
+
+    int row0;          // this thread's first row
+    int col0;          // this thread's column inside a panel
+    int swizzled;      // chunk index xor the swizzle of row0
+    i64 gmem_offset;   // row0 * row_stride + col0
+    i64 iter_stride;   // kRowsPerIter * row_stride
+
+    CF_DEVICE TileLoader(int tid, i64 row_stride) {
+        row0 = tid / kCpr;
+        int chunk = tid % kCpr;
+        col0 = chunk * 8;
+        swizzled = chunk ^ Tile::swizzle(row0);
+        gmem_offset = row0 * row_stride + col0;
+        iter_stride = kRowsPerIter * row_stride;
+    }
+
+    CF_DEVICE void load(u32 smem_tile, const u16* gmem_tile, int valid_rows, int valid_cols) const {
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        int idx = it * kThreads + tid;
-        if (kTotal % kThreads == 0 || idx < kTotal) {
-            int row = idx / kChunks;
-            int chunk = idx % kChunks;
-            bool valid = row < valid_rows && chunk * 8 < valid_cols;
-            const u16* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
-            cp_async_16(smem_tile + Tile::chunk_offset(row, chunk), src, valid);
+        for (int p = 0; p < kPanels; ++p) {
+            const bool col_ok = p * Tile::kPanelCols + col0 < valid_cols;
+#pragma unroll
+            for (int it = 0; it < kRowIters; ++it) {
+                const int row = row0 + it * kRowsPerIter;
+                if (kRows % kRowsPerIter == 0 || row < kRows) {
+                    const bool valid = col_ok && row < valid_rows;
+                    const u16* src = gmem_tile + gmem_offset + it * iter_stride + p * Tile::kPanelCols;
+                    // row0 < kRowsPerIter (a power of two), so swizzle(row) = swizzle(row0) ^ swizzle(it * kRowsPerIter).
+                    const int chunk = swizzled ^ Tile::swizzle(it * kRowsPerIter);
+                    cp_async_16(smem_tile + p * Tile::kPanelBytes + row * Tile::kRowBytes + (chunk << 4),
+                                valid ? src : gmem_tile, valid);
+                }
+            }
         }
     }
-}
+};
 
 // Copy rows [row0, row0 + kRowsCopied) of a swizzled shared tile to global memory with 16-byte
 // stores, skipping rows >= valid_rows and columns >= valid_cols. `lane`/`kLanes` spread the chunks

@@ -38,3 +38,33 @@ def attention_ref(xp, q, k, v, causal=False, softmax_scale=None, low_precision=N
     p = rnd(p / xp.where(denom == 0, 1, denom))
     out = rnd(xp.einsum("bhqk,bkhd->bqhd", p, v))
     return out.astype(xp.float32), lse.astype(xp.float32)
+
+
+def attention_backward_ref(xp, q, k, v, dout, causal=False, softmax_scale=None, low_precision=None):
+    """Gradients (dq, dk, dv) in float32 of attention on float32 inputs; with `low_precision`, every
+    intermediate is rounded to that dtype (FA2's naive same-precision baseline)."""
+    rnd = (lambda x: round_to(xp, x, low_precision)) if low_precision else (lambda x: x)
+    sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    group = q.shape[2] // k.shape[2]
+    kr, vr = xp.repeat(k, group, axis=2), xp.repeat(v, group, axis=2)
+    s = xp.einsum("bqhd,bkhd->bhqk", q, kr) * scale
+    if causal:
+        visible = xp.arange(sk)[None, :] <= xp.arange(sq)[:, None] + (sk - sq)
+        s = xp.where(visible, s, -xp.inf)
+    row_max = s.max(axis=-1, keepdims=True)
+    row_max = xp.where(xp.isfinite(row_max), row_max, 0)
+    p = xp.exp(s - row_max)
+    denom = p.sum(axis=-1, keepdims=True)
+    p = rnd(p / xp.where(denom == 0, 1, denom))
+    out = rnd(xp.einsum("bhqk,bkhd->bqhd", p, vr))
+    dv = rnd(xp.einsum("bhqk,bqhd->bkhd", p, dout))
+    dp = rnd(xp.einsum("bqhd,bkhd->bhqk", dout, vr))
+    delta = xp.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
+    ds = rnd(p * (dp - delta))
+    dq = rnd(xp.einsum("bhqk,bkhd->bqhd", ds, kr) * scale)
+    dk = rnd(xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale)
+    b, _, hk, _ = k.shape
+    dk = dk.reshape(b, sk, hk, group, d).sum(axis=3)
+    dv = dv.reshape(b, sk, hk, group, d).sum(axis=3)
+    return dq.astype(xp.float32), dk.astype(xp.float32), dv.astype(xp.float32)

@@ -9,4 +9,4 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
 python -m pytest tests -m gpu -x -q ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30
-python tests/bench_forward.py ${BENCH_ARGS:-} --json "$OUT/bench_forward.json" 2>&1 | tee "$OUT/bench_forward.log"
+python tests/bench_kernels.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"

@@ -1,0 +1,161 @@
+"""`cuflash2 bench`: TFLOP/s and % of peak on FA2's benchmark grid, next to torch SDPA backends."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import click
+
+from . import bench_run, gpu
+from .formats import FORMATS, Column, render, render_table
+from .options import COMPARE_CHOICES, parse_compare, parse_head_dims, parse_positive_ints, positive_int
+from .plot import plot_results, require_matplotlib
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+COLUMNS = [
+    Column("impl", "impl", align="<"), Column("mode", "mode", align="<"), Column("dtype", "dtype", align="<"),
+    Column("batch", "batch"), Column("seqlen", "seqlen"), Column("heads", "heads"), Column("head_dim", "hdim"),
+    Column("causal", "causal"), Column("first_call_s", "1st call s", ".2f"), Column("ms", "ms", ".3f"),
+    Column("tflops", "TFLOP/s", ".1f"), Column("pct_peak", "% peak", ".1f"), Column("speedup", "cuflash2/x", ".2f"),
+]
+ERROR_COLUMN = Column("error", "error", align="<")
+
+
+CONSTANT_KEYS = ("mode", "dtype")  # left out of the text table when one value covers every row
+
+
+def columns_for(rows: list[dict], compact: bool = False) -> list[Column]:
+    columns = COLUMNS + ([ERROR_COLUMN] if any(r.get("error") for r in rows) else [])
+    if compact:
+        columns = [c for c in columns if c.key not in CONSTANT_KEYS or len({r[c.key] for r in rows}) > 1]
+    return columns
+
+
+def require_backward(mode: str) -> None:
+    import cuflash2
+
+    if mode != "fwd" and not hasattr(cuflash2, "flash_attn_backward"):
+        raise click.UsageError(f"--mode {mode} needs cuflash2.flash_attn_backward, which this version does not "
+                               "have yet: use --mode fwd")
+
+
+def require_torch() -> None:
+    try:
+        import torch
+        from torch.nn.attention import sdpa_kernel  # noqa: F401
+    except ImportError as exc:
+        raise click.ClickException(f"--compare needs PyTorch (>= 2.3) with CUDA: {exc}") from None
+    if not torch.cuda.is_available():
+        raise click.ClickException(f"--compare needs a CUDA build of PyTorch; torch {torch.__version__} sees no GPU")
+
+
+def _flush_bytes(cp, flush: bool) -> int:
+    if not flush:
+        return 0
+    l2 = gpu.gpu_info(cp).l2_bytes or 64 << 20
+    return 2 * l2  # writing twice the L2's size evicts everything the timed call could reuse
+
+
+def _progress(problems):
+    """A progress bar on stderr for runs of several problems."""
+    if len(problems) < 2:
+        return contextlib.nullcontext(problems)
+    return click.progressbar(problems, label="benchmarking", file=sys.stderr,
+                             item_show_func=lambda p: p.label() if p else "")
+
+
+def run_all(cp, problems, impls, settings: dict, peak) -> list[dict]:
+    rows = []
+    with _progress(problems) as bar:
+        for problem in bar:
+            inputs = bench_run.make_inputs(cp, problem)
+            rows += [bench_run.run_one(cp, impl, problem, inputs, settings, peak) for impl in impls]
+            del inputs
+    bench_run.add_speedups(rows)
+    return rows
+
+
+def summary_lines(rows: list[dict], env: dict) -> list[str]:
+    peak = env["peak_tflops"]
+    modes = ", ".join(dict.fromkeys(f"{r['mode']} {r['dtype']}" for r in rows))
+    lines = [f"{modes} on {env['gpu']} ({env['arch']}); peak {f'{peak:.0f} TFLOP/s' if peak else 'unknown'} "
+             f"({env['peak_source']})",
+             f"run time: median of {env['repeats']} CUDA-event timings after {env['warmup']} warm-up calls"
+             f"{', L2 flushed before each' if env['flush_bytes'] else ''}; "
+             "'1st call s' is the first call's wall time (kernel compile/load included)"]
+    ours = [r["first_call_s"] for r in rows if r["impl"] == "cuflash2" and r.get("first_call_s") is not None]
+    if ours:
+        lines.append(f"cuflash2 first calls: {sum(ours):.1f} s in all, longest {max(ours):.2f} s")
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        lines.append(f"{len(failed)} measurement(s) failed: see the 'error' column")
+    return lines
+
+
+def emit(rows, fmt: str, output: str | None, env: dict) -> None:
+    """Chosen format to stdout, or to FILE with the table on stdout; context lines where they fit."""
+    text = render(fmt, rows, columns_for(rows, compact=fmt in ("table", "markdown")), env)
+    context = "\n".join(summary_lines(rows, env))
+    if output:
+        with open(output, "w") as f:
+            f.write(text)
+        click.echo(render_table(rows, columns_for(rows, compact=True)) + "\n" + context)
+        click.echo(f"wrote {output} ({fmt})", err=True)
+    elif fmt == "table":
+        click.echo(text + "\n" + context)
+    else:
+        click.echo(text, nl=False)
+        click.echo(context, err=True)
+
+
+@click.command("bench")
+@click.option("--mode", type=click.Choice(MODES), default="fwd", show_default=True,
+              help="Forward, backward, or both (FLOPs x1, x2.5, x3.5).")
+@click.option("--batch", type=int, default=None, callback=positive_int, help="Default: 16384 // seqlen.")
+@click.option("--seqlen", "seqlens", default=None, callback=parse_positive_ints, metavar="N[,N...]",
+              help="Comma list. Default: 512,1024,2048,4096,8192,16384.")
+@click.option("--heads", type=int, default=None, callback=positive_int, help="Default: 2048 // head dim.")
+@click.option("--head-dim", "head_dims", default=None, callback=parse_head_dims, metavar="D[,D...]", help="Comma list. Default: 64,128,256.")
+@click.option("--causal/--no-causal", default=None, help="Default: both.")
+@click.option("--dtype", type=click.Choice(("bf16", "fp16")), default="bf16", show_default=True)
+@click.option("--compare", default=None, callback=parse_compare, metavar="NAME[,NAME...]",
+              help=f"Comma list of torch SDPA backends to time beside cuflash2: {', '.join(COMPARE_CHOICES)}.")
+@click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--flush-l2", is_flag=True, help="Overwrite twice the L2's size before each timed call.")
+@click.option("--peak", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Peak TFLOP/s for '% peak' (default: datasheet figure for the GPU, else a measured GEMM).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write the chosen format to FILE (the table still goes to stdout).")
+@click.option("--plot", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Save TFLOP/s against seqlen to FILE.png (needs matplotlib).")
+def bench_command(mode, batch, seqlens, heads, head_dims, causal, dtype, compare, warmup, repeats, flush_l2, peak,
+                  fmt, output, plot) -> None:
+    """Measure TFLOP/s and % of peak, beside torch SDPA backends.
+
+    The default grid is FA2's benchmark: model dim 2048 (heads = 2048 / head dim), batch x seqlen =
+    16384 tokens for seqlen 512..16384, head dims 64, 128, 256, causal and not, bf16. FLOPs follow
+    FA2's convention (backward 2.5x, forward+backward 3.5x the forward count).
+    """
+    require_backward(mode)
+    if plot:
+        require_matplotlib()
+    cp, reason = gpu.find_gpu()
+    if cp is None:
+        raise click.ClickException(gpu.no_gpu_error("bench", reason))
+    if compare:
+        require_torch()
+    problems = bench_run.problem_grid(mode, dtype, seqlens or bench_run.DEFAULT_SEQLENS,
+                                      head_dims or bench_run.DEFAULT_HEAD_DIMS,
+                                      (False, True) if causal is None else (causal,), batch, heads)
+    info = gpu.gpu_info(cp)
+    peak_value, peak_source = bench_run.resolve_peak(cp, info.name, peak)
+    settings = {"warmup": warmup, "repeats": repeats, "flush_bytes": _flush_bytes(cp, flush_l2)}
+    rows = run_all(cp, problems, ["cuflash2", *compare], settings, peak_value)
+    env = bench_run.environment(cp, info.name, info.arch, peak_value, peak_source, settings)
+    emit(rows, fmt, output, env)
+    if plot:
+        plot_results(rows, plot, f"{mode} {dtype} on {info.name}")
+        click.echo(f"wrote {plot}", err=True)

@@ -1,0 +1,140 @@
+"""`cuflash2 info`: the GPU, the toolchain, the interop frameworks and the kernel cache."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+
+import click
+
+from . import gpu
+
+FRAMEWORKS = (("torch", "torch"), ("jax", "jax"))  # (module, distribution)
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def framework_status(module: str, dist: str) -> str:
+    """Version of an interop framework, found without importing it."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return "not installed"
+    return _dist_version(dist) or "installed (version unknown)"
+
+
+def kernel_cache_dir() -> pathlib.Path:
+    """CuPy's on-disk kernel cache (where compiled cuflash2 kernels live)."""
+    return pathlib.Path(os.environ.get("CUPY_CACHE_DIR") or pathlib.Path.home() / ".cupy" / "kernel_cache")
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def cache_summary(path: pathlib.Path) -> str:
+    if not path.is_dir():
+        return f"{path} (empty: not created yet)"
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return f"{path} ({len(files)} files, {_human_bytes(sum(p.stat().st_size for p in files))})"
+
+
+def _safe(fn, *args) -> str:
+    try:
+        return str(fn(*args))
+    except Exception as exc:  # info must never fail: report the problem as the value
+        return f"unavailable ({type(exc).__name__}: {exc})"
+
+
+def _gpu_section(cp) -> list[tuple[str, str]]:
+    info = gpu.gpu_info(cp)
+    return [("device", f"{info.name} (cuda:{info.device_id}, {cp.cuda.runtime.getDeviceCount()} visible)"),
+            ("compute capability", f"{info.major}.{info.minor} ({info.arch})"),
+            ("SMs", str(info.sm_count)),
+            ("max dynamic smem", f"{info.smem_optin_bytes // 1024} KiB per block ({info.smem_optin_bytes} B)"),
+            ("L2 cache", _human_bytes(info.l2_bytes)),
+            ("memory", _human_bytes(info.memory_bytes))]
+
+
+def _cuda_versions(cp) -> list[tuple[str, str]]:
+    def nvrtc():
+        major, minor = cp.cuda.nvrtc.getVersion()
+        return f"{major}.{minor}"
+
+    return [("CUDA driver", _safe(lambda: gpu.cuda_version(cp.cuda.runtime.driverGetVersion()))),
+            ("CUDA runtime", _safe(lambda: gpu.cuda_version(cp.cuda.runtime.runtimeGetVersion()))),
+            ("NVRTC", _safe(nvrtc)),
+            ("CuPy", cp.__version__)]
+
+
+def _peak(gpu_name: str | None) -> str:
+    from cuflash2 import bench
+
+    if gpu_name is None:
+        return "n/a (no GPU)"
+    peak, source = bench.peak_tflops(gpu_name)
+    if peak is None:
+        return f"unknown ({source}): `cuflash2 bench` measures a bf16 GEMM instead, or pass --peak"
+    return f"{peak:g} TFLOP/s ({source})"
+
+
+def collect() -> list[tuple[str, list[tuple[str, str]]]]:
+    """Sections of (key, value) pairs; works without a GPU and without CuPy."""
+    import cuflash2
+    from cuflash2 import compiler
+
+    cp, reason = gpu.find_gpu()
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    gpu_name = gpu.gpu_info(cp).name if cp is not None else None
+    sections = [("cuflash2", [("version", cuflash2.__version__),
+                              ("kernel sources hash", _safe(compiler.sources_hash)),
+                              ("kernel cache", cache_summary(kernel_cache_dir()))])]
+    sections.append(("GPU", _gpu_section(cp) if cp is not None else [("device", f"none: {reason}")]))
+    versions = _cuda_versions(cupy) if cupy is not None else [("CuPy", "not installed")]
+    versions += [("NumPy", _dist_version("numpy") or "?"), ("ml_dtypes", framework_status("ml_dtypes", "ml_dtypes"))]
+    sections.append(("Versions", versions))
+    sections.append(("Interop", [(module, framework_status(module, dist)) for module, dist in FRAMEWORKS]))
+    sections.append(("Utilisation", [("peak", _peak(gpu_name))]))
+    return sections
+
+
+def render_sections(sections) -> str:
+    width = max(len(key) for _, pairs in sections for key, _ in pairs)
+    lines = []
+    for title, pairs in sections:
+        lines.append(title)
+        lines += [f"  {key:<{width}}  {value}" for key, value in pairs]
+    return "\n".join(lines) + "\n"
+
+
+@click.command("info")
+@click.option("--json", "as_json", is_flag=True, help="Print the same facts as JSON.")
+def info_command(as_json: bool) -> None:
+    """Show the GPU, toolchain versions, interop frameworks, kernel cache and peak.
+
+    Works without a GPU (and without CuPy) and says so.
+    """
+    sections = collect()
+    if as_json:
+        click.echo(json.dumps({title: dict(pairs) for title, pairs in sections}, indent=2))
+        return
+    click.echo(render_sections(sections), nl=False)
+    if dict(sections[1][1])["device"].startswith("none"):
+        click.echo("\nNo GPU: GPU kernels cannot run here; `cuflash2 check` runs the NumPy (CPU) checks only.")

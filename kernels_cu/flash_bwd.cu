@@ -1,0 +1,221 @@
+// FlashAttention-2 backward, main kernel: one thread block per (key block, query head, batch),
+// looping over the query blocks that can see its keys. Each warp owns 16 keys.
+//
+// Per query block (P rebuilt from the saved LSE, so no N x N matrix is ever stored):
+//   S^T = K Q^T;  P^T = exp(scale * S^T - LSE);  dV += P^T dO
+//   dP^T = V dO^T;  dS^T = P^T * (dP^T - D);  dK += dS^T Q
+//   dQ += dS K   (dS^T goes through shared memory; fp32 atomics into a dQ accumulator)
+// The template flags select which gradients a launch produces: for large head dims dV and dK are
+// produced by two launches (register budget), and deterministic mode leaves dQ to flash_bwd_dq.cu.
+#include "ptx.cuh"
+#include "smem_tile.cuh"
+#include "block_mask.cuh"
+#include "warp_gemm.cuh"
+
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kDq>
+struct BwdTraits {
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kQTiles = kBlockM / 8;  // 8-query column tiles of S^T
+    static constexpr int kDTiles = kHeadDim / 8;
+    using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
+    using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
+    using DsTile = SwizzledTile<kBlockN, kBlockM>;  // dS^T
+    static constexpr int kQStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
+    static constexpr int kSmemBytes = 2 * KTile::kBytes + kStages * kQStageBytes + (kDq ? DsTile::kBytes : 0);
+    // dQ = dS K: warps split the (kBlockM x kHeadDim) product into 16-row tiles x column groups.
+    static constexpr int kDqRowTiles = kBlockM / 16;
+    static constexpr int kDqColGroups = kNWarps / kDqRowTiles;
+    static constexpr int kDqCols = kHeadDim / kDqColGroups;
+    static constexpr int kDqChunk = 16;  // small chunks keep the dQ accumulator at 8 registers
+    static_assert(kBlockN == 16 * kNWarps, "each warp owns 16 keys");
+    static_assert(kBlockM % 32 == 0 && kHeadDim % 32 == 0, "tile shape");
+    static_assert(!kDq || (kNWarps % kDqRowTiles == 0 && kHeadDim % kDqColGroups == 0 && kDqCols % 16 == 0),
+                  "dQ work split");
+    static_assert(kStages >= 1 && kStages <= 2, "one or two Q/dO stages");
+};
+
+// Stores one warp's fp32 accumulator rows (16 keys x kHeadDim) as T (with strides) or as fp32
+// into a contiguous (batch, seqlen_k, nheads, head_dim) buffer (GQA: summed later).
+template <class T, bool kFloatOut, int kDTiles>
+CF_DEVICE void store_key_rows(const float (&acc)[1][kDTiles][4], void* out, i64 row_stride, int row0, int valid_rows,
+                              int head_dim, float scale, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + lane / 4 + 8 * r;
+        if (row >= valid_rows) continue;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+            const int col = dt * 8 + (lane % 4) * 2;
+            if (col >= head_dim) continue;
+            const float x = acc[0][dt][2 * r] * scale, y = acc[0][dt][2 * r + 1] * scale;
+            if (kFloatOut) {
+                float* p = static_cast<float*>(out) + row * row_stride + col;
+                p[0] = x;
+                p[1] = y;
+            } else {
+                *reinterpret_cast<u32*>(static_cast<u16*>(out) + row * row_stride + col) = T::pack(x, y);
+            }
+        }
+    }
+}
+
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal, bool kDv,
+          bool kDk, bool kDq, bool kFloatDkv>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                 const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                 float* __restrict__ dq_accum, void* __restrict__ dk, void* __restrict__ dv,
+                 i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
+                 i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
+                 i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
+                 i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
+                 i64 dk_batch_stride, i64 dk_row_stride, i64 dk_head_stride,
+                 i64 dv_batch_stride, i64 dv_row_stride, i64 dv_head_stride,
+                 int seqlen_q, int seqlen_k, int head_dim, int kv_group, float scale_log2, float softmax_scale) {
+    using Tr = BwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kDq>;
+    static_assert(kDv || kDk, "a launch must produce dV or dK");
+    extern __shared__ __align__(128) char smem[];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z, kv_head = head / kv_group;
+    const BlockMask<kCausal> mask{seqlen_q, seqlen_k};
+    const float kLog2e = 1.4426950408889634f;
+
+    const u32 k_smem = smem_addr(smem), v_smem = k_smem + Tr::KTile::kBytes;
+    const u32 stage0 = v_smem + Tr::KTile::kBytes;
+    const u32 ds_smem = stage0 + kStages * Tr::kQStageBytes;
+    const float* stage_floats = reinterpret_cast<const float*>(smem + 2 * Tr::KTile::kBytes + 2 * Tr::QTile::kBytes);
+
+    const int key0 = n_block * kBlockN, keys_left = seqlen_k - key0;
+    const u16* q_head = q + batch * q_batch_stride + head * q_head_stride;
+    const u16* do_head = dout + batch * do_batch_stride + head * do_head_stride;
+    const float* lse_head = lse + ((i64)batch * gridDim.y + head) * seqlen_q;
+    const float* delta_head = delta + ((i64)batch * gridDim.y + head) * seqlen_q;
+    const int m_begin = mask.query_block_begin(n_block, kBlockM, kBlockN);
+    const int m_end = mask.query_block_end(kBlockM);
+
+    // K and V stay resident; Q, dO and their row vectors (LSE, D) stream through kStages stages.
+    TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, k_row_stride)
+        .load(k_smem, k + batch * k_batch_stride + kv_head * k_head_stride + (i64)key0 * k_row_stride, keys_left, head_dim);
+    if (kDk)
+        TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, v_row_stride)
+            .load(v_smem, v + batch * v_batch_stride + kv_head * v_head_stride + (i64)key0 * v_row_stride, keys_left, head_dim);
+    const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> q_loader(tid, q_row_stride);
+    const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> do_loader(tid, do_row_stride);
+    auto load_query_block = [&](int m_block) {
+        if (m_block < m_end) {
+            const u32 stage = stage0 + ((m_block - m_begin) % kStages) * Tr::kQStageBytes;
+            const int row0 = m_block * kBlockM, rows_left = seqlen_q - row0;
+            q_loader.load(stage, q_head + (i64)row0 * q_row_stride, rows_left, head_dim);
+            do_loader.load(stage + Tr::QTile::kBytes, do_head + (i64)row0 * do_row_stride, rows_left, head_dim);
+            for (int i = tid; i < 2 * kBlockM; i += Tr::kThreads) {
+                const int row = i % kBlockM;
+                const float* src = (i < kBlockM ? lse_head : delta_head) + row0 + row;
+                cp_async_4(stage + 2 * Tr::QTile::kBytes + i * 4, row < rows_left ? src : lse_head, row < rows_left);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) load_query_block(m_begin + s);  // K, V ride in the first group
+    if (kStages == 1) cp_async_commit();
+
+    float acc_dk[1][Tr::kDTiles][4], acc_dv[1][Tr::kDTiles][4];
+    zero_acc(acc_dk);
+    zero_acc(acc_dv);
+    const LdsmCursor<typename Tr::KTile> k_as_a(k_smem, warp * 16 + lane % 16, lane / 16);
+    const LdsmCursor<typename Tr::KTile> v_as_a(v_smem, warp * 16 + lane % 16, lane / 16);
+    const LdsmCursor<typename Tr::KTile> k_as_b(k_smem, lane % 16, lane / 16);  // trans: rows = keys
+    const LdsmCursor<typename Tr::DsTile> ds_as_at(ds_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+        const int it = m_block - m_begin, stage_idx = it % kStages;
+        const u32 q_smem = stage0 + stage_idx * Tr::kQStageBytes, do_smem = q_smem + Tr::QTile::kBytes;
+        const float* lse_rows = stage_floats + stage_idx * (Tr::kQStageBytes / 4);
+        const float* delta_rows = lse_rows + kBlockM;
+        if (kStages == 1) {
+            __syncthreads();  // the single stage is free again
+            load_query_block(m_block);
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+        if (kStages == 2) load_query_block(m_block + 1);
+
+        // P^T = exp2(S^T * scale_log2 - LSE * log2 e), zero where masked.
+        float p[1][Tr::kQTiles][4];
+        zero_acc(p);
+        gemm_abt<T, 1, Tr::kQTiles, kHeadDim / 16>(p, k_as_a, LdsmCursor<typename Tr::QTile>(q_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
+        const bool needs_mask = mask.tile_needs_mask(m_block, n_block, kBlockM, kBlockN);
+#pragma unroll
+        for (int nt = 0; nt < Tr::kQTiles; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int col = nt * 8 + (lane % 4) * 2 + (i & 1);
+                const int key = key0 + warp * 16 + lane / 4 + (i >= 2 ? 8 : 0);
+                float pv = fast_exp2(fmaf(p[0][nt][i], scale_log2, -lse_rows[col] * kLog2e));
+                if (needs_mask && !mask.visible_in_range(m_block * kBlockM + col, key)) pv = 0.f;
+                p[0][nt][i] = pv;
+            }
+        const LdsmCursor<typename Tr::QTile> do_as_b(do_smem, lane % 16, lane / 16);
+        if (kDv) gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dv, p, do_as_b);  // dV += P^T dO
+        if (kDk) {
+            float ds[1][Tr::kQTiles][4];  // dP^T = V dO^T, then dS^T = P^T * (dP^T - D)
+            zero_acc(ds);
+            gemm_abt<T, 1, Tr::kQTiles, kHeadDim / 16>(ds, v_as_a, LdsmCursor<typename Tr::QTile>(do_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
+#pragma unroll
+            for (int nt = 0; nt < Tr::kQTiles; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) ds[0][nt][i] = p[0][nt][i] * (ds[0][nt][i] - delta_rows[nt * 8 + (lane % 4) * 2 + (i & 1)]);
+            gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dk, ds, LdsmCursor<typename Tr::QTile>(q_smem, lane % 16, lane / 16));
+            if (kDq) {
+#pragma unroll
+                for (int nt = 0; nt < Tr::kQTiles; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = warp * 16 + lane / 4 + 8 * r;
+                        *reinterpret_cast<u32*>(smem + (ds_smem - k_smem) + Tr::DsTile::chunk_offset(row, nt) + (lane % 4) * 4) =
+                            T::pack(ds[0][nt][2 * r], ds[0][nt][2 * r + 1]);
+                    }
+                __syncthreads();
+                // dQ[rows of this warp's tile] += dS K, column chunk by column chunk, fp32 atomics.
+                const int row_tile = warp % Tr::kDqRowTiles;
+                const int col_group = Tr::kDqColGroups == 1 ? 0 : warp / Tr::kDqRowTiles;
+                const int dq_row = m_block * kBlockM + row_tile * 16 + lane / 4;
+                const i64 dq_row_stride = (i64)gridDim.y * head_dim;
+                float* dq_lane = dq_accum + (((i64)batch * seqlen_q + dq_row) * gridDim.y + head) * head_dim +
+                                 col_group * Tr::kDqCols + (lane % 4) * 2;
+                const bool row_lo_ok = dq_row < seqlen_q, row_hi_ok = dq_row + 8 < seqlen_q;
+#pragma unroll
+                for (int c0 = 0; c0 < Tr::kDqCols; c0 += Tr::kDqChunk) {
+                    float acc_dq[1][Tr::kDqChunk / 8][4];
+                    zero_acc(acc_dq);
+                    gemm_atb<T, 1, Tr::kDqChunk / 8, kBlockN / 16>(acc_dq, ds_as_at, 2 * row_tile, k_as_b,
+                                                                    (col_group * Tr::kDqCols + c0) / 8);
+#pragma unroll
+                    for (int ct = 0; ct < Tr::kDqChunk / 8; ++ct) {
+                        if (col_group * Tr::kDqCols + c0 + ct * 8 >= head_dim) break;  // padded columns
+                        float* dst = dq_lane + c0 + ct * 8;
+                        if (row_lo_ok) { atomicAdd(dst, acc_dq[0][ct][0]); atomicAdd(dst + 1, acc_dq[0][ct][1]); }
+                        if (row_hi_ok) {
+                            atomicAdd(dst + 8 * dq_row_stride, acc_dq[0][ct][2]);
+                            atomicAdd(dst + 8 * dq_row_stride + 1, acc_dq[0][ct][3]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // Epilogue: dK carries the softmax scale (S was scaled); dV does not.
+    const int row0 = key0 + warp * 16;
+    if (kFloatDkv) {
+        const i64 rs = (i64)gridDim.y * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
+        const i64 base = ((i64)batch * seqlen_k * gridDim.y + head) * head_dim;
+        if (kDk) store_key_rows<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seqlen_k, head_dim, softmax_scale, lane);
+        if (kDv) store_key_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seqlen_k, head_dim, 1.f, lane);
+    } else {
+        if (kDk) store_key_rows<T, false>(acc_dk, static_cast<u16*>(dk) + batch * dk_batch_stride + kv_head * dk_head_stride,
+                                          dk_row_stride, row0, seqlen_k, head_dim, softmax_scale, lane);
+        if (kDv) store_key_rows<T, false>(acc_dv, static_cast<u16*>(dv) + batch * dv_batch_stride + kv_head * dv_head_stride,
+                                          dv_row_stride, row0, seqlen_k, head_dim, 1.f, lane);
+    }
+}

@@ -1,0 +1,113 @@
+// Deterministic dQ: one thread block per (query block, head, batch), looping over key blocks in a
+// fixed order and accumulating dQ in registers, so no atomics and bit-identical results.
+// Used by deterministic=True (the main backward kernel then skips dQ).
+//   S = Q K^T;  P = exp(scale * S - LSE);  dP = dO V^T;  dS = P * (dP - D);  dQ += dS K
+#include "ptx.cuh"
+#include "smem_tile.cuh"
+#include "block_mask.cuh"
+#include "warp_gemm.cuh"
+
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
+struct BwdDqTraits {
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kNTiles = kBlockN / 8;
+    static constexpr int kDTiles = kHeadDim / 8;
+    using QTile = SwizzledTile<kBlockM, kHeadDim>;   // Q and dO
+    using KVTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V (two slots each way)
+    static constexpr int kSmemBytes = 2 * QTile::kBytes + 2 * KVTile::kBytes;
+    static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows");
+};
+
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                    const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                    u16* __restrict__ dq,
+                    i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
+                    i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
+                    i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
+                    i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
+                    i64 dq_batch_stride, i64 dq_row_stride, i64 dq_head_stride,
+                    int seqlen_q, int seqlen_k, int head_dim, int kv_group, float scale_log2, float softmax_scale) {
+    using Tr = BwdDqTraits<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    extern __shared__ __align__(128) char smem[];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z, kv_head = head / kv_group;
+    const BlockMask<kCausal> mask{seqlen_q, seqlen_k};
+    const float kLog2e = 1.4426950408889634f;
+    const int row0 = m_block * kBlockM, rows_left = seqlen_q - row0;
+
+    const u32 q_smem = smem_addr(smem), do_smem = q_smem + Tr::QTile::kBytes;
+    const u32 kv_smem = do_smem + Tr::QTile::kBytes;  // slot 0: K, slot 1: V
+    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
+    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
+    const int n_end = mask.key_block_end(m_block, kBlockM, kBlockN);
+
+    float acc_dq[1][Tr::kDTiles][4];
+    zero_acc(acc_dq);
+    // This lane's two rows: LSE (log2 units) and D.
+    float row_lse[2], row_delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + warp * 16 + lane / 4 + 8 * r;
+        const i64 at = ((i64)batch * gridDim.y + head) * seqlen_q + row;
+        row_lse[r] = row < seqlen_q ? lse[at] * kLog2e : CF_INF;
+        row_delta[r] = row < seqlen_q ? delta[at] : 0.f;
+    }
+
+    if (n_end > 0) {
+        TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads>(tid, q_row_stride)
+            .load(q_smem, q + batch * q_batch_stride + head * q_head_stride + (i64)row0 * q_row_stride, rows_left, head_dim);
+        TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads>(tid, do_row_stride)
+            .load(do_smem, dout + batch * do_batch_stride + head * do_head_stride + (i64)row0 * do_row_stride, rows_left, head_dim);
+        const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> k_loader(tid, k_row_stride);
+        const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> v_loader(tid, v_row_stride);
+        const LdsmCursor<typename Tr::QTile> q_as_a(q_smem, warp * 16 + lane % 16, lane / 16);
+        const LdsmCursor<typename Tr::QTile> do_as_a(do_smem, warp * 16 + lane % 16, lane / 16);
+        const LdsmCursor<typename Tr::KVTile> k_as_bt(kv_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+        const LdsmCursor<typename Tr::KVTile> v_as_bt(kv_smem + Tr::KVTile::kBytes, (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+        const LdsmCursor<typename Tr::KVTile> k_as_b(kv_smem, lane % 16, lane / 16);
+
+        for (int n_block = 0; n_block < n_end; ++n_block) {
+            const int key0 = n_block * kBlockN;
+            __syncthreads();  // previous K/V fully consumed
+            k_loader.load(kv_smem, k_head + (i64)key0 * k_row_stride, seqlen_k - key0, head_dim);
+            v_loader.load(kv_smem + Tr::KVTile::kBytes, v_head + (i64)key0 * v_row_stride, seqlen_k - key0, head_dim);
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
+
+            float p[1][Tr::kNTiles][4], ds[1][Tr::kNTiles][4];
+            zero_acc(p);
+            zero_acc(ds);
+            gemm_abt<T, 1, Tr::kNTiles, kHeadDim / 16>(p, q_as_a, k_as_bt);    // S = Q K^T
+            gemm_abt<T, 1, Tr::kNTiles, kHeadDim / 16>(ds, do_as_a, v_as_bt);  // dP = dO V^T
+            const bool needs_mask = mask.block_needs_mask(m_block, n_block, kBlockM, kBlockN);
+#pragma unroll
+            for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int r = i / 2;
+                    float pv = fast_exp2(fmaf(p[0][nt][i], scale_log2, -row_lse[r]));
+                    if (needs_mask && !mask.visible(row0 + warp * 16 + lane / 4 + 8 * r, key0 + nt * 8 + (lane % 4) * 2 + (i & 1)))
+                        pv = 0.f;
+                    ds[0][nt][i] = pv * (ds[0][nt][i] - row_delta[r]);
+                }
+            gemm_rs<T, 1, Tr::kNTiles, Tr::kDTiles>(acc_dq, ds, k_as_b);  // dQ += dS K
+        }
+    }
+    // Epilogue: scale and store this warp's rows.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + warp * 16 + lane / 4 + 8 * r;
+        if (row >= seqlen_q) continue;
+        u16* dst = dq + batch * dq_batch_stride + head * dq_head_stride + row * dq_row_stride;
+#pragma unroll
+        for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+            const int col = dt * 8 + (lane % 4) * 2;
+            if (col < head_dim)
+                *reinterpret_cast<u32*>(dst + col) =
+                    T::pack(acc_dq[0][dt][2 * r] * softmax_scale, acc_dq[0][dt][2 * r + 1] * softmax_scale);
+        }
+    }
+}

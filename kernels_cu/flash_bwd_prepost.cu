@@ -1,0 +1,59 @@
+// Backward pre- and post-processing: D = rowsum(dO * O), and the fp32 -> output conversion of the
+// gradient accumulators (scaling dQ, summing dK/dV over the query heads of a GQA group).
+#include "ptx.cuh"
+
+// D[b, h, i] = sum_c dO[b, i, h, c] * O[b, i, h, c] in fp32. 8 lanes per row, 16-byte loads.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(256)
+flash_bwd_dot_do_o_kernel(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ delta,
+                          i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
+                          i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
+                          int seqlen_q, int nheads, int head_dim) {
+    const int lane8 = threadIdx.x % 8;
+    const i64 row_id = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 8;  // over (head, row) of one batch
+    const int batch = blockIdx.y;
+    const i64 local = row_id;
+    const bool active = local < (i64)nheads * seqlen_q;
+    const int head = active ? (int)(local / seqlen_q) : 0, row = active ? (int)(local % seqlen_q) : 0;
+    const u16* dop = dout + batch * do_batch_stride + row * do_row_stride + head * do_head_stride;
+    const u16* op = out + batch * o_batch_stride + row * o_row_stride + head * o_head_stride;
+    float acc = 0.f;
+    if (active) {
+        for (int c = lane8 * 8; c < head_dim; c += 64) {
+            Chunk16 a = *reinterpret_cast<const Chunk16*>(dop + c);
+            Chunk16 b = *reinterpret_cast<const Chunk16*>(op + c);
+            const u16* ah = reinterpret_cast<const u16*>(&a);
+            const u16* bh = reinterpret_cast<const u16*>(&b);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(T::to_float(ah[e]), T::to_float(bh[e]), acc);
+        }
+    }
+    acc += shfl_xor(acc, 1);
+    acc += shfl_xor(acc, 2);
+    acc += shfl_xor(acc, 4);
+    if (active && lane8 == 0) delta[((i64)batch * nheads + head) * seqlen_q + row] = acc;
+}
+
+// out[b, s, h, c] = scale * sum_{g < group} acc[b, s, h * group + g, c], acc contiguous fp32
+// (b, s, nheads * group, head_dim). One thread per output pair of columns.
+template <class T>
+__global__ void __launch_bounds__(256)
+flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
+                         i64 out_batch_stride, i64 out_row_stride, i64 out_head_stride,
+                         int seqlen, int nheads, int head_dim, int group, float scale) {
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // over (row, head, column pair) of one batch
+    const int batch = blockIdx.y;
+    const int pairs = head_dim / 2;
+    if (idx >= (i64)seqlen * nheads * pairs) return;
+    const int c = (int)(idx % pairs) * 2;
+    const int head = (int)((idx / pairs) % nheads);
+    const int row = (int)(idx / ((i64)pairs * nheads));
+    const float* src = acc + (((i64)batch * seqlen + row) * nheads * group + (i64)head * group) * head_dim + c;
+    float x = 0.f, y = 0.f;
+    for (int g = 0; g < group; ++g) {
+        x += src[(i64)g * head_dim];
+        y += src[(i64)g * head_dim + 1];
+    }
+    *reinterpret_cast<u32*>(out + batch * out_batch_stride + row * out_row_stride + head * out_head_stride + c) =
+        T::pack(x * scale, y * scale);
+}

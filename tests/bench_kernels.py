@@ -1,0 +1,129 @@
+"""Forward/backward benchmark (+ forward tile sweep) on the GPU, next to torch SDPA (flash, cuDNN)
+in the same run. Usage: python tests/bench_kernels.py [--sweep] [--seqlens 4096] [--modes fwd,bwd]
+"""
+
+import argparse
+import json
+import math
+
+import cupy as cp
+import numpy as np
+
+import cuflash2
+from cuflash2 import api, bench
+from cuflash2.config import FWD, KernelConfig, forward_config
+from cuflash2.validate import AttentionShape
+
+
+def torch_sdpa(backend_name):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    return run
+
+
+def torch_sdpa_bwd(backend_name, q, k, v, causal):
+    import torch
+
+    qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
+    out = torch_sdpa(backend_name)(qt, kt, vt, causal)
+    grad = torch.randn_like(out)
+
+    def run():
+        torch.autograd.grad(out, (qt, kt, vt), grad, retain_graph=True)
+    return run
+
+
+def bench_bwd(q, k, v, causal, flops, deterministic=False, split=None):
+    from cuflash2 import backward
+
+    qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
+    out, lse = cuflash2.flash_attn_forward(qc, kc, vc, causal=causal)
+    dout = cp.from_dlpack(q.clone().normal_())
+    b, s, h, d = qc.shape
+    shape = AttentionShape(b, s, s, h, h, d, np.dtype(qc.dtype).name, 1 / math.sqrt(d))
+    grads = [cp.empty_like(x) for x in (qc, kc, vc)]
+    ms = bench.time_cuda_ms(lambda: backward._backward_cupy(dout, qc, kc, vc, out, lse, *grads, shape, causal,
+                                                            deterministic, 0, split))
+    return flops / ms / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqlens", default="4096")
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--modes", default="fwd,bwd")
+    args = parser.parse_args()
+    import torch
+
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    rows = []
+    for seqlen in map(int, args.seqlens.split(",")):
+        for head_dim in map(int, args.head_dims.split(",")):
+            for causal in (False, True):
+                batch, heads = 16384 // seqlen, 2048 // head_dim
+                q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=tdtype) for _ in range(3))
+                for mode in args.modes.split(","):
+                    flops = bench.attention_flops(batch, seqlen, seqlen, heads, head_dim, causal, mode)
+                    row = {"mode": mode, "seqlen": seqlen, "head_dim": head_dim, "causal": causal}
+                    if mode == "fwd":
+                        row["cuflash2"] = flops / bench.time_cuda_ms(lambda: cuflash2.flash_attn_func(q, k, v, causal=causal)) / 1e9
+                    else:
+                        row["cuflash2"] = bench_bwd(q, k, v, causal, flops)
+                        row["cuflash2-det"] = bench_bwd(q, k, v, causal, flops, deterministic=True)
+                        if args.sweep and head_dim <= 128:
+                            row["split"] = bench_bwd(q, k, v, causal, flops, split=True)
+                    for name in ("flash", "cudnn"):
+                        try:
+                            fn = torch_sdpa(name)
+                            run = (lambda: fn(q, k, v, causal)) if mode == "fwd" else torch_sdpa_bwd(name, q, k, v, causal)
+                            row[name] = flops / bench.time_cuda_ms(run) / 1e9
+                        except Exception:  # backend unavailable for this shape
+                            row[name] = float("nan")
+                    if args.sweep and mode == "fwd":
+                        row["sweep"] = sweep(q, k, v, causal, args.dtype, flops)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    print(f"\n{'mode':>4} {'seqlen':>6} {'hdim':>4} {'causal':>6} {'cuflash2':>9} {'flash':>7} {'cudnn':>7} {'vs flash':>8}")
+    for r in rows:
+        print(f"{r['mode']:>4} {r['seqlen']:6d} {r['head_dim']:4d} {str(r['causal']):>6} {r['cuflash2']:9.1f} "
+              f"{r['flash']:7.1f} {r['cudnn']:7.1f} {r['cuflash2'] / r['flash']:8.2f}"
+              + (f"  det {r['cuflash2-det']:.1f}" if "cuflash2-det" in r else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def sweep(q, k, v, causal, dtype, flops):
+    """TFLOP/s of alternative tile shapes (for tuning the config table)."""
+    qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
+    b, s, h, d = qc.shape
+    shape = AttentionShape(b, s, s, h, h, d, np.dtype(qc.dtype).name, 1 / math.sqrt(d))
+    out = cp.empty_like(qc)
+    results = {}
+    for block_m, block_n, warps, stages in [(128, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 4, 2),
+                                            (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),
+                                            (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2)]:
+        config = KernelConfig(FWD, dtype, forward_config(d, dtype, causal, 90).head_dim, block_m, block_n, warps,
+                              stages, causal)
+        if config.smem_bytes > 227 * 1024:
+            continue
+        try:
+            ms = bench.time_cuda_ms(lambda: api._forward_cupy(qc, kc, vc, out, shape, causal, 0, config), 3, 10)
+            results[config.short_id()] = round(flops / ms / 1e9, 1)
+        except Exception as exc:
+            results[config.short_id()] = str(exc)[:80]
+    return results
+
+
+if __name__ == "__main__":
+    main()

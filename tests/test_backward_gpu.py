@@ -1,0 +1,111 @@
+"""Backward kernels on the GPU against fp32 reference gradients, with FA2's tolerance rule."""
+
+import numpy as np
+import pytest
+
+from attention_ref import attention_backward_ref
+from test_forward_gpu import HEAD_DIMS, SEQLENS, make_inputs
+
+from cuflash2.interop import as_float32
+
+pytestmark = pytest.mark.gpu
+
+
+def run_backward(cp, q, k, v, dout, causal, deterministic=False):
+    import cuflash2
+
+    out, lse = cuflash2.flash_attn_forward(q, k, v, causal=causal)
+    return cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+
+
+def check_backward(cp, q, k, v, dout, causal, deterministic=False):
+    grads = run_backward(cp, q, k, v, dout, causal, deterministic)
+    f32 = [as_float32(cp, x) for x in (q, k, v, dout)]
+    ref = attention_backward_ref(cp, *f32, causal)
+    naive = attention_backward_ref(cp, *f32, causal, low_precision=np.dtype(q.dtype).name)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, naive):
+        g32 = as_float32(cp, g)
+        assert not bool(cp.isnan(g32).any()), f"NaN in {name}"
+        err = float(cp.abs(g32 - r).max())
+        naive_err = float(cp.abs(n - r).max())
+        assert err <= 3 * naive_err + 1e-4, f"{name}: max error {err:.3e} > 3 x naive {naive_err:.3e}"
+    return grads
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_matches_reference(head_dim, seqlens, causal, dtype):
+    import cupy as cp
+
+    sq, sk = seqlens
+    seed = hash(("bwd", head_dim, sq, sk, causal, dtype)) % 2**31
+    batch = 1 if sq * sk > 1 << 20 else 2
+    q, k, v = make_inputs(cp, batch, sq, sk, 2, 2, head_dim, dtype, seed)
+    (dout,) = make_inputs(cp, batch, sq, 1, 2, 2, head_dim, dtype, seed + 1)[:1]
+    check_backward(cp, q, k, v, dout, causal)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("heads,heads_kv", [(8, 2), (8, 1), (4, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
+def test_backward_gqa_and_deterministic(heads, heads_kv, causal, head_dim, deterministic):
+    import cupy as cp
+
+    q, k, v = make_inputs(cp, 2, 173, 301, heads, heads_kv, head_dim, "bf16", heads + 13 * heads_kv)
+    (dout,) = make_inputs(cp, 2, 173, 1, heads, 1, head_dim, "bf16", 99)[:1]
+    check_backward(cp, q, k, v, dout, causal, deterministic)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_deterministic_backward_is_bit_identical(head_dim):
+    import cupy as cp
+
+    q, k, v = make_inputs(cp, 2, 777, 1029, 4, 2, head_dim, "bf16", 21)
+    (dout,) = make_inputs(cp, 2, 777, 1, 4, 1, head_dim, "bf16", 22)[:1]
+    first = run_backward(cp, q, k, v, dout, True, deterministic=True)
+    for _ in range(20):
+        again = run_backward(cp, q, k, v, dout, True, deterministic=True)
+        for a, b in zip(first, again):
+            assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+
+
+def test_large_magnitude_inputs_stay_finite():
+    import cupy as cp
+
+    q, k, v = make_inputs(cp, 2, 513, 513, 4, 4, 128, "fp16", 31)
+    rng = np.random.default_rng(5)
+    q = cp.asarray((cp.asnumpy(q).astype(np.float32) * 5).astype(np.float16))
+    k = cp.asarray((cp.asnumpy(k).astype(np.float32) * 3).astype(np.float16))
+    dout = cp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(np.float16))
+    for g in run_backward(cp, q, k, v, dout, causal=True):
+        assert bool(cp.isfinite(as_float32(cp, g)).all())
+
+
+def test_fully_masked_rows_have_zero_gradients():
+    import cupy as cp
+
+    q, k, v = make_inputs(cp, 1, 200, 50, 2, 2, 64, "bf16", 41)
+    (dout,) = make_inputs(cp, 1, 200, 1, 2, 1, 64, "bf16", 42)[:1]
+    dq, dk, dv = run_backward(cp, q, k, v, dout, causal=True)
+    assert bool((as_float32(cp, dq[:, :150]) == 0).all())
+    assert bool(cp.isfinite(as_float32(cp, dk)).all()) and bool(cp.isfinite(as_float32(cp, dv)).all())
+
+
+def test_noncontiguous_dout_and_given_outputs():
+    import cupy as cp
+
+    import cuflash2
+
+    q, k, v = make_inputs(cp, 2, 130, 150, 4, 4, 64, "bf16", 51)
+    (big,) = make_inputs(cp, 2, 130, 1, 8, 1, 64, "bf16", 52)[:1]
+    dout = big[:, :, ::2]  # head stride 2x
+    out, lse = cuflash2.flash_attn_forward(q, k, v)
+    expected = cuflash2.flash_attn_backward(cp.ascontiguousarray(dout), q, k, v, out, lse, deterministic=True)
+    dq, dk, dv = (cp.empty_like(x) for x in (q, k, v))
+    result = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, deterministic=True, dq=dq, dk=dk, dv=dv)
+    assert result[0] is dq and result[1] is dk and result[2] is dv
+    for a, b in zip(result, expected):
+        assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())

@@ -1,0 +1,380 @@
+"""The `cuflash2` CLI without a GPU: help, argument errors, the CPU paths, renderers, check logic."""
+
+import csv
+import io
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import cuflash2
+from cuflash2 import checks, reference
+from cuflash2.cli import bench_cmd, bench_run, formats, gpu, info_cmd
+from cuflash2.cli.main import main
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """Behave as on a machine without a GPU, even where there is one."""
+    monkeypatch.setattr(gpu, "find_gpu", lambda: (None, "no CUDA GPU found (test)"))
+
+
+@pytest.fixture
+def no_backward(monkeypatch):
+    monkeypatch.delattr(cuflash2, "flash_attn_backward", raising=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Help and argument errors
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [[], ["info"], ["check"], ["bench"], ["compile"]])
+def test_help(command):
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+
+
+def test_group_lists_commands():
+    output = invoke("--help").output
+    for name in ("info", "check", "bench", "compile"):
+        assert name in output
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["bench", "--mode", "sideways"], "--mode"),
+    (["bench", "--format", "xml"], "--format"),
+    (["bench", "--dtype", "fp32"], "--dtype"),
+    (["bench", "--compare", "torch-flash,torch-magic"], "torch-magic"),
+    (["bench", "--seqlen", "0"], "--seqlen"),
+    (["bench", "--seqlen", "512,abc"], "--seqlen"),
+    (["bench", "--head-dim", "36"], "--head-dim"),
+    (["bench", "--head-dim", "512"], "--head-dim"),
+    (["bench", "--batch", "0"], "--batch"),
+    (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--peak", "-1"], "--peak"),
+    (["check", "--dtype", "fp32"], "--dtype"),
+    (["check", "--dtype", ""], "--dtype"),
+    (["compile", "--dtypes", "fp8"], "--dtypes"),
+])
+def test_argument_errors(args, expected):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert expected in result.output
+
+
+def test_bench_backward_modes_need_flash_attn_backward(no_backward):
+    for mode in ("bwd", "fwd+bwd"):
+        result = invoke("bench", "--mode", mode)
+        assert result.exit_code == 2
+        assert "flash_attn_backward" in result.output
+
+
+# --------------------------------------------------------------------------------------------
+# Commands without a GPU
+# --------------------------------------------------------------------------------------------
+
+def test_info_without_gpu(no_gpu):
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    assert "none: no CUDA GPU found" in result.output
+    assert "No GPU" in result.output
+    for key in ("kernel sources hash", "kernel cache", "CuPy", "torch", "jax", "peak"):
+        assert key in result.output
+
+
+def test_info_json_without_gpu(no_gpu):
+    result = invoke("info", "--json")
+    assert result.exit_code == 0
+    facts = json.loads(result.output)
+    assert facts["GPU"]["device"].startswith("none")
+    assert set(facts["Interop"]) == {"torch", "jax"}
+
+
+def test_info_without_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    assert "CuPy" in result.output and "not installed" in result.output
+
+
+def test_check_quick_without_gpu_runs_numpy_checks(no_gpu, no_backward):
+    result = invoke("check", "--quick")
+    assert result.exit_code == 0, result.output
+    assert "GPU checks skipped" in result.output
+    assert "NumPy" in result.output
+    assert "backward checks skipped" in result.output
+    assert " 0 failed" in result.output and "FAIL" not in result.output
+    assert result.output.count("PASS") == len(checks.numpy_cases(["bf16", "fp16"], False))
+
+
+def test_check_filter_and_empty_filter(no_gpu, no_backward):
+    result = invoke("check", "--dtype", "fp16", "-k", "causal")
+    assert result.exit_code == 0
+    assert "bf16" not in result.output.split("case", 1)[1] and "-full" not in result.output
+    assert invoke("check", "-k", "no-such-case").exit_code == 2
+
+
+def _to_dtype(x, like):
+    return np.asarray(x, np.float32).astype(like.dtype)
+
+
+def _numpy_backward(scale=1.0):
+    def backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False):
+        grads = reference.attention_backward_naive(dout, q, k, v, out, lse, softmax_scale, causal)
+        return tuple(_to_dtype(g * scale, x) for g, x in zip(grads, (q, k, v)))
+    return backward
+
+
+def test_check_runs_backward_cases_when_available(no_gpu, monkeypatch):
+    monkeypatch.setattr(cuflash2, "flash_attn_backward", _numpy_backward(), raising=False)
+    result = invoke("check", "--quick", "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    assert "backward checks skipped" not in result.output
+    assert ":dq" in result.output and ":dk" in result.output and ":dv" in result.output
+
+
+def test_check_fails_on_wrong_gradients(no_gpu, monkeypatch):
+    monkeypatch.setattr(cuflash2, "flash_attn_backward", _numpy_backward(scale=1.2), raising=False)
+    result = invoke("check", "--dtype", "fp16", "-k", "bwd")
+    assert result.exit_code == 1
+    assert "FAIL" in result.output
+
+
+def test_check_skips_backward_without_cpu_path(no_gpu, monkeypatch):
+    def gpu_only(*args, **kwargs):
+        raise TypeError("q: expected a CUDA tensor")
+
+    monkeypatch.setattr(cuflash2, "flash_attn_backward", gpu_only, raising=False)
+    result = invoke("check", "--dtype", "fp16")
+    assert result.exit_code == 0, result.output
+    assert "SKIP" in result.output and "0 failed" in result.output
+
+
+def test_bench_without_gpu_fails_clearly(no_gpu):
+    result = invoke("bench", "--seqlen", "1024", "--head-dim", "64")
+    assert result.exit_code == 1
+    assert "needs a CUDA GPU" in result.output
+
+
+# --------------------------------------------------------------------------------------------
+# Renderers on a fake result list
+# --------------------------------------------------------------------------------------------
+
+COLUMNS = [formats.Column("impl", "impl", align="<"), formats.Column("seqlen", "seqlen"),
+           formats.Column("causal", "causal"), formats.Column("tflops", "TFLOP/s", ".1f"),
+           formats.Column("speedup", "ratio", ".2f")]
+ROWS = [{"impl": "cuflash2", "seqlen": 512, "causal": False, "tflops": 301.26, "speedup": None},
+        {"impl": "torch-flash", "seqlen": 16384, "causal": True, "tflops": 250.0, "speedup": 1.2},
+        {"impl": "torch-cudnn", "seqlen": 1024, "causal": True, "tflops": math.nan, "speedup": None}]
+
+
+def test_cell_rules():
+    assert formats.cell(None) == "-" and formats.cell(math.nan, ".1f") == "-"
+    assert formats.cell(True) == "yes" and formats.cell(False) == "no"
+    assert formats.cell(3.14159, ".2f") == "3.14" and formats.cell(7, ".1f") == "7.0"
+    assert formats.cell("x", ".1f") == "x"
+
+
+def test_render_table_is_aligned():
+    lines = formats.render_table(ROWS, COLUMNS).splitlines()
+    assert lines[0].split() == ["impl", "seqlen", "causal", "TFLOP/s", "ratio"]
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    assert len(lines) == 2 + len(ROWS)
+    # right-aligned numbers end in the same column
+    ends = {line.index("TFLOP/s") + len("TFLOP/s") for line in lines[:1]}
+    assert all(line[:max(ends)].rstrip().endswith(value) for line, value in zip(lines[2:], ["301.3", "250.0", "-"]))
+    assert lines[2].startswith("cuflash2 ")
+
+
+def test_render_markdown():
+    lines = formats.render_markdown(ROWS, COLUMNS).splitlines()
+    assert lines[0] == "| impl | seqlen | causal | TFLOP/s | ratio |"
+    assert lines[1] == "|:---|---:|---:|---:|---:|"
+    assert lines[3] == "| torch-flash | 16384 | yes | 250.0 | 1.20 |"
+    assert len(lines) == 2 + len(ROWS)
+
+
+def test_render_csv_keeps_raw_values():
+    parsed = list(csv.DictReader(io.StringIO(formats.render_csv(ROWS, COLUMNS))))
+    assert list(parsed[0]) == [c.key for c in COLUMNS]
+    assert parsed[0]["tflops"] == "301.26" and parsed[0]["speedup"] == ""
+    assert parsed[2]["tflops"] == ""
+
+
+def test_render_json_is_valid_and_carries_environment():
+    payload = json.loads(formats.render_json(ROWS, {"gpu": "Fake GPU", "peak": math.inf}))
+    assert payload["environment"] == {"gpu": "Fake GPU", "peak": None}
+    assert payload["results"][2]["tflops"] is None  # NaN is not JSON
+    assert payload["results"][1]["causal"] is True
+
+
+def test_render_dispatch():
+    for fmt in formats.FORMATS:
+        assert formats.render(fmt, ROWS, COLUMNS, {})
+    with pytest.raises(ValueError):
+        formats.render("xml", ROWS, COLUMNS)
+
+
+def _bench_rows():
+    rows = []
+    for impl, tflops in (("cuflash2", 300.0), ("torch-flash", 200.0)):
+        for seqlen in (512, 1024):
+            p = bench_run.Problem("fwd", "bf16", 16384 // seqlen, seqlen, 32, 64, False)
+            rows.append({"impl": impl, **p.fields(), "flops": p.flops, "first_call_s": 0.5, "ms": 1.0,
+                         "tflops": tflops, "pct_peak": tflops / 9.89})
+    rows.append({"impl": "torch-cudnn", **p.fields(), "flops": p.flops, "error": "RuntimeError: no kernel"})
+    bench_run.add_speedups(rows)
+    return rows
+
+
+ENV = {"gpu": "Fake GPU", "arch": "sm_90", "peak_tflops": 989.0, "peak_source": "test", "warmup": 1, "repeats": 2,
+       "flush_bytes": 0}
+
+
+def test_add_speedups():
+    rows = _bench_rows()
+    assert [r["speedup"] for r in rows] == [None, None, 1.5, 1.5, None]
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_bench_emit_to_file(fmt, tmp_path, capsys):
+    path = tmp_path / f"out.{fmt}"
+    bench_cmd.emit(_bench_rows(), fmt, str(path), ENV)
+    text = path.read_text()
+    if fmt == "json":
+        assert json.loads(text)["environment"]["gpu"] == "Fake GPU"
+    else:
+        assert "torch-flash" in text
+    stdout = capsys.readouterr().out
+    assert "cuflash2/x" in stdout and "Fake GPU" in stdout and "error" in stdout
+
+
+def test_bench_emit_json_to_stdout_is_pure_json(capsys):
+    bench_cmd.emit(_bench_rows(), "json", None, ENV)
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)["results"]) == 5
+    assert "Fake GPU" in captured.err  # context lines go to stderr
+
+
+def test_compact_columns_drop_constant_mode_and_dtype():
+    keys = [c.key for c in bench_cmd.columns_for(_bench_rows(), compact=True)]
+    assert "mode" not in keys and "dtype" not in keys and "error" in keys
+    assert "mode" in [c.key for c in bench_cmd.columns_for(_bench_rows())]
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cuflash2.cli.plot import plot_results
+
+    path = tmp_path / "bench.png"
+    plot_results(_bench_rows(), str(path), "test")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+# --------------------------------------------------------------------------------------------
+# Bench grid and info helpers
+# --------------------------------------------------------------------------------------------
+
+def test_default_grid_is_fa2s():
+    grid = bench_run.problem_grid("fwd", "bf16", bench_run.DEFAULT_SEQLENS, bench_run.DEFAULT_HEAD_DIMS,
+                                  (False, True))
+    assert len(grid) == 6 * 3 * 2
+    assert all(p.batch * p.seqlen == 16384 and p.heads * p.head_dim == 2048 for p in grid)
+    overridden = bench_run.problem_grid("bwd", "fp16", [100], [40], [True], batch=3, heads=5)
+    assert overridden == [bench_run.Problem("bwd", "fp16", 3, 100, 5, 40, True)]
+    assert overridden[0].flops == pytest.approx(2.5 * 4 * 3 * 5 * 40 * 100 * 100 / 2)
+
+
+def test_info_helpers(tmp_path, monkeypatch):
+    assert gpu.cuda_version(12040) == "12.4" and gpu.cuda_version(13000) == "13.0"
+    assert gpu.cuda_version(0) == "none"
+    assert info_cmd.framework_status("surely_no_such_module_xyz", "surely-no-such-dist") == "not installed"
+    assert info_cmd.framework_status("numpy", "numpy") == np.__version__
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    assert info_cmd.kernel_cache_dir() == tmp_path
+    (tmp_path / "a.cubin").write_bytes(b"x" * 2048)
+    assert "1 files, 2.0 KiB" in info_cmd.cache_summary(tmp_path)
+    assert "not created yet" in info_cmd.cache_summary(tmp_path / "missing")
+
+
+def test_git_commit_is_a_hash_or_none():
+    commit = bench_run.git_commit()
+    assert commit is None or len(commit.split("-")[0]) == 40
+
+
+# --------------------------------------------------------------------------------------------
+# Check logic: cases, references, the tolerance rule
+# --------------------------------------------------------------------------------------------
+
+def test_judge_rule():
+    assert checks.judge("a", 2e-3, 1e-3, 2.0).passed
+    assert not checks.judge("a", 2.1e-3, 1e-3, 2.0).passed
+    assert checks.judge("a", 5e-6, 0.0, 2.0).passed  # the absolute floor
+    assert not checks.judge("a", 1e-6, 1e-3, 2.0, note="LSE error").passed
+    assert not checks.judge("a", math.nan, 1e-3, 2.0).passed
+    assert checks.judge("a", 0.0, 0.0, 2.0).ratio == 0.0
+    assert math.isinf(checks.judge("a", 1e-6, 0.0, 2.0).ratio)
+
+
+def test_gpu_case_lists():
+    quick = checks.gpu_cases(True, ["bf16", "fp16"], backward=False)
+    assert {c.kind for c in quick} == {"fwd"} and {c.dtype for c in quick} == {"bf16", "fp16"}
+    assert {c.head_dim for c in quick} >= {64, 128, 256, 40}
+    assert {c.causal for c in quick} == {False, True}
+    assert any(c.heads != c.heads_kv for c in quick)
+    shapes = {(c.seqlen_q, c.seqlen_k) for c in quick}
+    assert {(113, 203), (203, 113), (1, 239)} <= shapes
+    assert len({c.case_id() for c in quick}) == len(quick)
+    full = checks.gpu_cases(False, ["bf16"], backward=True)
+    assert {8, 40, 72, 96, 136, 192, 224, 256} <= {c.head_dim for c in full}
+    assert {c.kind for c in full} == {"fwd", "bwd"}
+
+
+def _random(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_references_match_the_float64_reference(causal):
+    q, k, v, dout = _random((2, 37, 4, 16), 0), _random((2, 53, 2, 16), 1), _random((2, 53, 2, 16), 2), \
+        _random((2, 37, 4, 16), 3)
+    out, lse = checks.attention_ref(np, q, k, v, causal)
+    ref_out, ref_lse = reference.attention_naive(q, k, v, causal=causal)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
+    grads = checks.attention_backward_ref(np, dout, q, k, v, causal)
+    ref_grads = reference.attention_backward_naive(dout, q, k, v, ref_out, ref_lse, causal=causal)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=1e-4)
+
+
+def test_fully_masked_rows_in_references():
+    q, k, v = _random((1, 20, 2, 8), 0), _random((1, 5, 2, 8), 1), _random((1, 5, 2, 8), 2)
+    out, lse = checks.attention_ref(np, q, k, v, causal=True)
+    assert (out[:, :15] == 0).all() and np.isinf(lse[:, :, :15]).all()
+    dq, _, _ = checks.attention_backward_ref(np, q, q, k, v, causal=True)
+    assert (dq[:, :15] == 0).all()
+
+
+def test_low_precision_reference_is_less_accurate():
+    q, k, v = _random((1, 64, 2, 32), 4), _random((1, 64, 2, 32), 5), _random((1, 64, 2, 32), 6)
+    exact, _ = checks.attention_ref(np, q, k, v)
+    errors = {dt: np.abs(checks.attention_ref(np, q, k, v, low_precision=dt)[0] - exact).max()
+              for dt in ("float16", "bfloat16")}
+    assert 0 < errors["float16"] < errors["bfloat16"] < 0.1
+
+
+def test_round_to_bfloat16_matches_ml_dtypes():
+    x = _random((1000,), 7) * 100
+    expected = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(checks.round_to(np, x, "bfloat16"), expected)

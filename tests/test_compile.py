@@ -1,0 +1,145 @@
+"""NVRTC compiles every forward instantiation for sm_80 and sm_90 (no GPU needed), plus source handling.
+
+A kernel that spills, or keeps a register array in local memory (a stack frame with zero spills),
+runs several times slower: both fail here, on any CPU machine, before anyone reaches a GPU.
+"""
+
+import re
+import shutil
+
+import pytest
+
+from cuflash2 import compiler
+from cuflash2.config import all_forward_configs
+
+COMPILE_ARCHS = (80, 90)
+CASES = [pytest.param(arch, c, id=f"sm_{arch}-{c.short_id()}")
+         for arch in COMPILE_ARCHS for c in all_forward_configs(arch)]
+
+
+@pytest.mark.parametrize("arch,config", CASES)
+def test_compile_forward(arch, config):
+    pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
+    report = compiler.compile_offline(config, f"sm_{arch}")
+    assert not report.error, f"{config.template_name()} failed to compile for sm_{arch}:\n{report.error}"
+    assert report.registers > 0, f"no ptxas resource report for {report.line()}"
+    assert report.registers <= 255, report.line()
+    assert report.stack_frame_bytes == 0, f"stack frame (local memory): {report.line()}"
+    assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, f"spills: {report.line()}"
+    assert report.ok, report.line()
+    assert report.smem_bytes == config.smem_bytes
+    assert "regs=" in report.line() and config.short_id() in report.line()
+
+
+def test_parse_ptxas_log():
+    log = ("ptxas info    : Compiling entry function '_Z3fooILi64EEvv' for 'sm_80'\n"
+           "ptxas info    : Function properties for _Z3fooILi64EEvv\n"
+           "    24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, 464 bytes cmem[0]\n")
+    assert compiler._parse_ptxas_log(log) == {"registers": 168, "stack_frame_bytes": 24,
+                                              "spill_store_bytes": 8, "spill_load_bytes": 12}
+    assert compiler._parse_ptxas_log("")["registers"] == 0
+
+
+def test_compile_error_is_reported_not_raised(monkeypatch, tmp_path):
+    pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy")
+    broken = tmp_path / "kernels_cu"
+    shutil.copytree(compiler.kernel_dir(), broken)
+    (broken / "flash_fwd.cu").write_text((broken / "flash_fwd.cu").read_text() + "\nthis is not C++;\n")
+    with _kernel_dir(monkeypatch, broken):
+        config = all_forward_configs(80)[0]
+        report = compiler.compile_offline(config, "sm_80")
+    assert report.error and not report.ok
+    assert report.line().startswith("ERROR")
+
+
+# --------------------------------------------------------------------------------------- sources
+
+
+class _kernel_dir:
+    """Point compiler.kernel_dir at `folder` with fresh source caches (and clean them up after)."""
+
+    def __init__(self, monkeypatch, folder):
+        self.monkeypatch, self.folder = monkeypatch, folder
+
+    def __enter__(self):
+        self.monkeypatch.setattr(compiler, "kernel_dir", lambda: self.folder)
+        _clear_caches()
+        return self
+
+    def __exit__(self, *exc):
+        self.monkeypatch.undo()
+        _clear_caches()
+
+
+def _clear_caches():
+    compiler.kernel_source.cache_clear()
+    compiler.sources_hash.cache_clear()
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def test_kernel_dir_has_sources():
+    folder = compiler.kernel_dir()
+    assert (folder / "flash_fwd.cu").is_file()
+    for path in folder.iterdir():
+        for name in _INCLUDE.findall(path.read_text()) if path.suffix in (".cu", ".cuh") else ():
+            assert (folder / name).is_file(), f"{path.name} includes missing {name}"
+
+
+def test_kernel_source_inlines_every_include():
+    _clear_caches()
+    folder = compiler.kernel_dir()
+    source = compiler.kernel_source("flash_fwd.cu")
+    assert '#include "' not in source
+    assert not _INCLUDE.search(source)
+    headers = set(_INCLUDE.findall((folder / "flash_fwd.cu").read_text()))
+    assert headers, "flash_fwd.cu includes no header?"
+    pending = list(headers)
+    while pending:  # transitively included headers too
+        for name in _INCLUDE.findall((folder / pending.pop()).read_text()):
+            if name not in headers:
+                headers.add(name)
+                pending.append(name)
+    for name in headers:
+        body = [line for line in (folder / name).read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith(("#include", "#pragma once", "//"))]
+        assert body and body[0] in source, f"{name} not inlined"
+    assert "flash_fwd_kernel" in source
+
+
+def test_kernel_source_inlines_each_header_once(monkeypatch, tmp_path):
+    (tmp_path / "a.cuh").write_text('#pragma once\n#include "b.cuh"\nint a_marker;\n')
+    (tmp_path / "b.cuh").write_text("#pragma once\nint b_marker;\n")
+    (tmp_path / "main.cu").write_text('#include "a.cuh"\n#include "b.cuh"\n  #  include "a.cuh"\nint main_marker;\n')
+    with _kernel_dir(monkeypatch, tmp_path):
+        source = compiler.kernel_source("main.cu")
+    assert "#include" not in source
+    assert source.count("a_marker") == 1 and source.count("b_marker") == 1 and "main_marker" in source
+    assert source.index("b_marker") < source.index("a_marker") < source.index("main_marker")
+
+
+def test_sources_hash_tracks_every_file(monkeypatch, tmp_path):
+    copy = tmp_path / "kernels_cu"
+    shutil.copytree(compiler.kernel_dir(), copy)
+    with _kernel_dir(monkeypatch, copy):
+        original = compiler.sources_hash()
+        source = compiler.kernel_source("flash_fwd.cu")
+        assert compiler.sources_hash() == original  # stable
+        assert re.fullmatch(r"[0-9a-f]{16}", original)
+
+        header = sorted(copy.glob("*.cuh"))[0]
+        header.write_text(header.read_text() + "\n// edited\n")
+        _clear_caches()
+        edited = compiler.sources_hash()
+        assert edited != original, f"editing {header.name} did not change sources_hash"
+        assert compiler.kernel_source("flash_fwd.cu") != source or header.name not in source
+
+        (copy / "new_file.cuh").write_text("// new\n")
+        _clear_caches()
+        assert compiler.sources_hash() not in (original, edited)
+
+    # the real folder is back once the patch is undone
+    assert compiler.sources_hash() == original or compiler.kernel_dir() != copy
+    assert compiler.kernel_dir() != copy

@@ -1,0 +1,211 @@
+"""Kernel configurations (cuflash2/config.py) and FLOP counting (cuflash2/bench.py). CPU only, fast."""
+
+import itertools
+import re
+
+import pytest
+
+from cuflash2 import bench, config
+from cuflash2.config import KernelConfig, all_forward_configs, forward_config, head_dim_bucket, smem_limit
+
+ARCHS = (80, 86, 89, 90)
+HEAD_DIMS = tuple(range(8, config.MAX_HEAD_DIM + 1, 8))
+
+
+# ---------------------------------------------------------------------------------- forward_config
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_forward_config_every_head_dim(arch, causal, dtype):
+    limit = smem_limit(arch)
+    for d in HEAD_DIMS:
+        c = forward_config(d, dtype, causal, arch)
+        where = f"d={d} {c.short_id()} sm_{arch}"
+        assert c.dtype == dtype and c.causal is causal, where
+        assert c.head_dim >= d and c.head_dim % 32 == 0 and c.head_dim <= config.MAX_HEAD_DIM, where
+        assert c.head_dim == head_dim_bucket(d), where
+        assert c.head_dim - d < 32, f"{where}: bucket wastes a whole 32-column slice"
+        assert c.smem_bytes <= limit, f"{where}: {c.smem_bytes} B > {limit} B"
+        assert c.warps >= 1 and c.block_m % (16 * c.warps) == 0, where
+        assert c.block_n % 16 == 0 and c.block_n > 0, where
+        assert c.stages >= 2, where
+        assert c.threads == 32 * c.warps <= 1024, where
+        assert c.kernel == "flash_fwd_kernel", where
+
+
+def test_forward_config_is_deterministic_and_hashable():
+    a = forward_config(72, "bf16", True, 80)
+    b = forward_config(72, "bf16", True, 80)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(Exception):
+        a.block_m = 64  # frozen: it is a cache key
+
+
+def test_forward_config_causal_flag_is_a_bool():
+    assert forward_config(64, "fp16", 1, 80).causal is True
+    assert forward_config(64, "fp16", 0, 80).causal is False
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "float16", "bfloat16", "", "BF16"])
+def test_forward_config_bad_dtype(dtype):
+    with pytest.raises(ValueError, match=rf"dtype: expected one of .*got {re.escape(repr(dtype))}"):
+        forward_config(64, dtype, False, 80)
+
+
+@pytest.mark.parametrize("arch", [70, 75, 61])
+def test_forward_config_old_arch(arch):
+    with pytest.raises(ValueError, match=r"arch: expected compute capability >= 8\.0"):
+        forward_config(64, "bf16", False, arch)
+
+
+def test_smem_bytes_formula():
+    c = KernelConfig("bf16", 128, 128, 64, 8, 3, False)
+    assert c.smem_bytes == 128 * 128 * 2 + 3 * 64 * 128 * 2
+    assert c.threads == 256
+
+
+# ------------------------------------------------------------------------------- template / ids
+
+
+@pytest.mark.parametrize("arch", [80, 90, 86])
+def test_template_name_round_trips(arch):
+    pattern = re.compile(r"^(\w+)<(Bf16|Fp16), (\d+), (\d+), (\d+), (\d+), (\d+), (true|false)>$")
+    for c in all_forward_configs(arch):
+        match = pattern.match(c.template_name())
+        assert match, c.template_name()
+        kernel, ctype, d, bm, bn, w, s, causal = match.groups()
+        parsed = KernelConfig({"Bf16": "bf16", "Fp16": "fp16"}[ctype], int(d), int(bm), int(bn), int(w), int(s),
+                              causal == "true", kernel)
+        assert parsed == c
+
+
+def test_short_id_is_unique_and_readable():
+    configs = {c for arch in (80, 86, 90) for c in all_forward_configs(arch)}
+    ids = {c.short_id() for c in configs}
+    assert len(ids) == len(configs)
+    c = KernelConfig("fp16", 96, 128, 64, 8, 2, True)
+    assert c.short_id() == "fwd-fp16-d96-causal-m128n64w8s2"
+    assert KernelConfig("bf16", 32, 128, 128, 4, 2, False).short_id() == "fwd-bf16-d32-full-m128n128w4s2"
+
+
+# ---------------------------------------------------------------------------------- head_dim_bucket
+
+
+def test_head_dim_bucket_values():
+    assert [head_dim_bucket(d) for d in (1, 8, 32, 33, 40, 64, 65, 96, 128, 129, 200, 256)] == \
+        [32, 32, 32, 64, 64, 64, 96, 96, 128, 160, 224, 256]
+    for d in range(1, 257):
+        b = head_dim_bucket(d)
+        assert b in config.HEAD_DIM_BUCKETS and d <= b < d + 32
+
+
+@pytest.mark.parametrize("d", [257, 264, 300, 512, 10_000])
+def test_head_dim_bucket_too_large(d):
+    with pytest.raises(ValueError, match=rf"head_dim: expected at most 256, got {d}"):
+        head_dim_bucket(d)
+
+
+def test_buckets_are_multiples_of_32():
+    assert config.HEAD_DIM_BUCKETS == tuple(range(32, 257, 32))
+
+
+# ---------------------------------------------------------------------------------------- smem_limit
+
+
+def test_smem_limit_known_archs():
+    assert smem_limit(80) == 163 * 1024
+    assert smem_limit(86) == 99 * 1024
+    assert smem_limit(89) == 99 * 1024
+    assert smem_limit(90) == 227 * 1024
+
+
+@pytest.mark.parametrize("arch", [100, 120, 121, 103])
+def test_smem_limit_unknown_newer_archs_fall_back(arch):
+    assert smem_limit(arch) in (99 * 1024, 163 * 1024)
+    forward_config(256, "bf16", True, arch)  # something launchable exists
+
+
+@pytest.mark.parametrize("arch", [0, 50, 61, 70, 75, 79])
+def test_smem_limit_old_arch_raises(arch):
+    with pytest.raises(ValueError, match=rf"arch: expected compute capability >= 8\.0, got {arch // 10}\.{arch % 10}"):
+        smem_limit(arch)
+
+
+# ------------------------------------------------------------------------------ all_forward_configs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_all_forward_configs(arch):
+    configs = all_forward_configs(arch)
+    assert len(configs) == len(set(configs)), "duplicates"
+    assert len({c.template_name() for c in configs}) == len(configs)
+    # every (bucket, dtype, causal) served exactly once, and everything forward_config can return is listed
+    keys = {(c.head_dim, c.dtype, c.causal) for c in configs}
+    assert keys == set(itertools.product(config.HEAD_DIM_BUCKETS, config.DTYPES, (False, True)))
+    listed = set(configs)
+    for d, dtype, causal in itertools.product(HEAD_DIMS, config.DTYPES, (False, True)):
+        assert forward_config(d, dtype, causal, arch) in listed
+    assert all(c.smem_bytes <= smem_limit(arch) for c in configs)
+
+
+# ------------------------------------------------------------------------------------ FLOP counting
+
+
+def brute_force_pairs(sq, sk, causal):
+    return sum(1 for i in range(sq) for j in range(sk) if not causal or j <= i + sk - sq)
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 7), (7, 1), (5, 5), (13, 29), (29, 13), (64, 64), (100, 37),
+                                   (37, 100), (3, 0), (0, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_visible_pairs_brute_force(sq, sk, causal):
+    assert bench.visible_pairs(sq, sk, causal) == brute_force_pairs(sq, sk, causal)
+
+
+def test_visible_pairs_matches_reference_mask():
+    np = pytest.importorskip("numpy")
+    from cuflash2.reference import visible_mask
+
+    for sq, sk in [(9, 17), (17, 9), (12, 12)]:
+        assert bench.visible_pairs(sq, sk, True) == int(np.count_nonzero(visible_mask(sq, sk, causal=True)))
+
+
+def test_attention_flops_full():
+    b, s, h, d = 2, 1024, 16, 128
+    assert bench.attention_flops(b, s, s, h, d, False) == 4.0 * b * s * s * h * d
+    assert bench.attention_flops(b, 100, 300, h, d, False) == 4.0 * b * 100 * 300 * h * d
+
+
+def test_attention_flops_modes():
+    args = (2, 257, 513, 8, 64, False)
+    fwd = bench.attention_flops(*args)
+    assert bench.attention_flops(*args, mode="fwd") == fwd
+    assert bench.attention_flops(*args, mode="bwd") == pytest.approx(2.5 * fwd)
+    assert bench.attention_flops(*args, mode="fwd+bwd") == pytest.approx(3.5 * fwd)
+    with pytest.raises(KeyError):
+        bench.attention_flops(*args, mode="sideways")
+
+
+@pytest.mark.parametrize("s", [1, 2, 17, 128, 4096])
+def test_attention_flops_causal_square_is_half(s):
+    full = bench.attention_flops(1, s, s, 4, 64, False)
+    causal = bench.attention_flops(1, s, s, 4, 64, True)
+    assert causal == full / 2  # FA2's convention for sq == sk
+    exact = 4.0 * 4 * 64 * brute_force_pairs(s, s, True) if s <= 128 else causal
+    assert abs(causal - exact) <= full / s  # differs from the exact count by under 1/s of full
+
+
+@pytest.mark.parametrize("sq,sk", [(100, 300), (300, 100), (1, 64), (64, 1)])
+def test_attention_flops_causal_rectangular_counts_visible_pairs(sq, sk):
+    flops = bench.attention_flops(3, sq, sk, 2, 32, True)
+    assert flops == 4.0 * 3 * 2 * 32 * brute_force_pairs(sq, sk, True)
+
+
+def test_peak_tflops():
+    assert bench.peak_tflops("NVIDIA H200")[0] == 989.0
+    assert bench.peak_tflops("NVIDIA A100-SXM4-80GB")[0] == 312.0
+    assert bench.peak_tflops("NVIDIA H100 PCIe")[0] == 756.0
+    peak, why = bench.peak_tflops("Some Future GPU")
+    assert peak is None and "unknown" in why
