@@ -33,7 +33,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     check_unsupported_options(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
                               alibi_slopes=alibi_slopes)
-    out, lse = flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out)
+    if interop.framework_of(q) == "torch":  # differentiable torch.library custom op
+        from . import torch_ops
+
+        out, lse = torch_ops.forward(q, k, v, softmax_scale, causal, deterministic, out)
+    else:
+        out, lse = flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out)
     if not return_attn_probs:
         return out
     return out, lse, attention_probs(q, k, lse, softmax_scale=softmax_scale, causal=causal)
@@ -77,6 +82,20 @@ def flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None):
         return out_result, call.from_cupy(lse_c)
 
 
+def forward_into(q, k, v, out, softmax_lse, softmax_scale=None, causal=False) -> None:
+    """Forward pass writing into caller-allocated out and softmax_lse (GPU arrays of any framework)."""
+    with interop.gpu_call(q) as call:
+        qc, kc, vc, lse_c = (call.to_cupy(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("softmax_lse", softmax_lse)))
+        shape = validate_qkv(*(interop.describe(n, x) for n, x in (("q", qc), ("k", kc), ("v", vc))), softmax_scale)
+        _check_grid(shape)
+        out_c = _prepare_out(call, out, shape, qc)
+        expected = (shape.batch, shape.nheads, shape.seqlen_q)
+        if tuple(lse_c.shape) != expected or np.dtype(lse_c.dtype) != np.float32 or not lse_c.flags.c_contiguous:
+            raise ValueError(f"softmax_lse: expected a contiguous float32 array of shape {expected}, "
+                             f"got {np.dtype(lse_c.dtype).name} {tuple(lse_c.shape)}")
+        _forward_cupy(qc, kc, vc, out_c, shape, causal, call.device_id, lse=lse_c)
+
+
 def _check_grid(shape: AttentionShape) -> None:
     for name, value in (("batch", shape.batch), ("nheads", shape.nheads)):
         if value > _MAX_GRID_YZ:
@@ -92,14 +111,15 @@ def _prepare_out(call, out, shape: AttentionShape, qc):
     return out_c
 
 
-def _forward_cupy(q, k, v, out, shape: AttentionShape, causal: bool, device_id: int, config=None):
+def _forward_cupy(q, k, v, out, shape: AttentionShape, causal: bool, device_id: int, config=None, lse=None):
     """Launch the forward kernel on CuPy arrays (current stream); returns softmax_lse.
 
     `config` overrides the tile choice (benchmarks and tuning only)."""
     cp = interop.import_cupy()
     from .compiler import get_kernel
 
-    lse = cp.empty((shape.batch, shape.nheads, shape.seqlen_q), dtype=np.float32)
+    if lse is None:
+        lse = cp.empty((shape.batch, shape.nheads, shape.seqlen_q), dtype=np.float32)
     if shape.seqlen_k == 0:  # FA2: no keys -> output 0, LSE +inf
         out.view(cp.uint16).fill(0)  # +0.0 in both 16-bit formats
         lse.fill(np.inf)

@@ -1,0 +1,68 @@
+"""PyTorch integration on the GPU: autograd, opcheck and torch.compile."""
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+
+def reference(q, k, v, causal):
+    group = q.shape[2] // k.shape[2]
+    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    sq, sk = q.shape[1], k.shape[1]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+    if causal:
+        visible = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + sk - sq
+        s = s.masked_fill(~visible, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_kv", [4, 2])
+def test_autograd_matches_float32_reference(causal, heads_kv):
+    import cuflash2
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 150, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 190, heads_kv, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out = cuflash2.flash_attn_func(q, k, v, causal=causal)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = reference(q32, k32, v32, causal)
+    ref.backward(grad.float())
+    assert (out.float() - ref).abs().max().item() < 2e-2
+    for got, want in ((q.grad, q32.grad), (k.grad, k32.grad), (v.grad, v32.grad)):
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - want).abs().max().item() < 5e-2 * max(1.0, want.abs().max().item())
+
+
+def test_opcheck():
+    from cuflash2 import torch_ops
+
+    q, k, v = (torch.randn(1, 70, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(torch_ops._flash_attn_fwd, (q, k, v, 0.125, True, False))
+    out, lse = torch_ops._flash_attn_fwd(q, k, v, 0.125, True, False)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch_ops._flash_attn_bwd,
+                          (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), 0.125, True, False))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    import cuflash2
+
+    def loss_fn(q, k, v):
+        return cuflash2.flash_attn_func(q, k, v, causal=True).float().square().sum()
+
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    q, k, v = (torch.randn(2, 128, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    loss = compiled(q, k, v)
+    loss.backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    loss_eager = loss_fn(q, k, v)
+    loss_eager.backward()
+    assert torch.allclose(loss, loss_eager)
+    for got, x in zip(grads, (q, k, v)):
+        assert torch.equal(got, x.grad)
