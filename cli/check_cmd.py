@@ -86,8 +86,9 @@ def check_command(quick: bool, dtypes: list[str], pattern: str | None) -> None:
     """Check correctness against an fp32 reference (FA2's tolerance rule).
 
     A case passes when its max error is at most 2x (forward) or 3x (gradients) the max error of the
-    same computation done naively in the input precision, plus 1e-5. Exits 1 on any failure.
-    Without a GPU, checks the NumPy path instead (and says so).
+    same computation done naively in the input precision, plus 1e-5 (for gradients: 1e-5 times the
+    case's largest gradient). Exits 1 on any failure. Without a GPU, checks the NumPy path instead
+    (and says so).
     """
     start = time.perf_counter()
     xp, cases, skip_on = _plan(quick, dtypes, pattern)

@@ -103,7 +103,8 @@ def collect() -> list[tuple[str, list[tuple[str, str]]]]:
     except ImportError:
         cupy = None
     gpu_name = gpu.gpu_info(cp).name if cp is not None else None
-    sections = [("cuflash2", [("version", cuflash2.__version__),
+    backward = "available" if hasattr(cuflash2, "flash_attn_backward") else "not in this version"
+    sections = [("cuflash2", [("version", cuflash2.__version__), ("backward", backward),
                               ("kernel sources hash", _safe(compiler.sources_hash)),
                               ("kernel cache", cache_summary(kernel_cache_dir()))])]
     sections.append(("GPU", _gpu_section(cp) if cp is not None else [("device", f"none: {reason}")]))

@@ -11,13 +11,9 @@ import math
 
 import numpy as np
 
-from . import interop, reference
-from .config import forward_config
-from .validate import (AttentionShape, check_compute_capability, check_unsupported_options, validate_out,
-                       validate_qkv)
+from . import interop, launch, reference
+from .validate import AttentionShape, check_unsupported_options, validate_out, validate_qkv
 
-LOG2_E = 1.0 / math.log(2.0)
-_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 _MAX_GRID_YZ = 65535
 
 
@@ -33,10 +29,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     check_unsupported_options(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
                               alibi_slopes=alibi_slopes)
-    if interop.framework_of(q) == "torch":  # differentiable torch.library custom op
+    framework = interop.framework_of(q)
+    if framework == "torch":  # differentiable torch.library custom op
         from . import torch_ops
 
         out, lse = torch_ops.forward(q, k, v, softmax_scale, causal, deterministic, out)
+    elif framework == "jax":  # differentiable, jit-able (custom_vjp over buffer_callback)
+        from . import jax_ops
+
+        if out is not None:
+            raise TypeError("out: JAX arrays are immutable; out= is not supported with JAX inputs")
+        out, lse = jax_ops.forward(q, k, v, softmax_scale, causal, deterministic)
     else:
         out, lse = flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out)
     if not return_attn_probs:
@@ -73,69 +76,67 @@ def flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None):
     if interop.framework_of(q) == "numpy":
         return _forward_numpy(q, k, v, softmax_scale, causal, out)
     with interop.gpu_call(q) as call:
-        qc, kc, vc = (call.to_cupy(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
-        shape = validate_qkv(*(interop.describe(n, x) for n, x in (("q", qc), ("k", kc), ("v", vc))), softmax_scale)
-        _check_grid(shape)
-        out_c = _prepare_out(call, out, shape, qc)
-        lse_c = _forward_cupy(qc, kc, vc, out_c, shape, causal, call.device_id)
-        out_result = out if out is not None else call.from_cupy(out_c)
-        return out_result, call.from_cupy(lse_c)
+        shape, infos = _validated_inputs(call, q, k, v, softmax_scale)
+        out_array, out_info = _output(call, out, shape, infos[0], q)
+        lse, lse_info = call.empty((shape.batch, shape.nheads, shape.seqlen_q), "float32")
+        _forward(call, infos, out_info, lse_info, shape, causal)
+        return (out if out is not None else call.result(out_array)), call.result(lse)
 
 
 def forward_into(q, k, v, out, softmax_lse, softmax_scale=None, causal=False) -> None:
     """Forward pass writing into caller-allocated out and softmax_lse (GPU arrays of any framework)."""
     with interop.gpu_call(q) as call:
-        qc, kc, vc, lse_c = (call.to_cupy(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("softmax_lse", softmax_lse)))
-        shape = validate_qkv(*(interop.describe(n, x) for n, x in (("q", qc), ("k", kc), ("v", vc))), softmax_scale)
-        _check_grid(shape)
-        out_c = _prepare_out(call, out, shape, qc)
+        shape, infos = _validated_inputs(call, q, k, v, softmax_scale)
+        _, out_info = _output(call, out, shape, infos[0], q)
+        lse_info = call.tensor("softmax_lse", softmax_lse)
         expected = (shape.batch, shape.nheads, shape.seqlen_q)
-        if tuple(lse_c.shape) != expected or np.dtype(lse_c.dtype) != np.float32 or not lse_c.flags.c_contiguous:
+        if lse_info.shape != expected or lse_info.dtype != "float32" or lse_info.strides != (
+                shape.nheads * shape.seqlen_q, shape.seqlen_q, 1):
             raise ValueError(f"softmax_lse: expected a contiguous float32 array of shape {expected}, "
-                             f"got {np.dtype(lse_c.dtype).name} {tuple(lse_c.shape)}")
-        _forward_cupy(qc, kc, vc, out_c, shape, causal, call.device_id, lse=lse_c)
+                             f"got {lse_info.dtype} {lse_info.shape}")
+        _forward(call, infos, out_info, lse_info, shape, causal)
+
+
+def _validated_inputs(call, q, k, v, softmax_scale):
+    infos = tuple(call.tensor(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+    shape = validate_qkv(*infos, softmax_scale)
+    _check_grid(shape)
+    return shape, infos
+
+
+def _output(call, out, shape: AttentionShape, q_info, q):
+    """(array, info) of the output: the caller's `out` (validated) or a new array."""
+    if out is None:
+        return call.empty((shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim), shape.dtype, like=q)
+    info = call.tensor("out", out)
+    validate_out(info, shape)
+    return out, info
+
+
+def _forward(call, infos, out_info, lse_info, shape: AttentionShape, causal: bool) -> None:
+    if shape.seqlen_k == 0:  # FA2: no keys -> output 0, LSE +inf
+        _fill(call, out_info, 0)
+        _fill(call, lse_info, np.inf)
+        return
+    launch.forward(*infos, out_info, lse_info, shape, causal, call.device_id, call.stream)
+
+
+def _fill(call, info, value) -> None:
+    """Fill a described device tensor (rare paths only: wraps it as a CuPy array)."""
+    cp = interop.import_cupy()
+    itemsize = info.itemsize
+    extent = 1 + sum((n - 1) * s for n, s in zip(info.shape, info.strides)) if all(info.shape) else 0
+    memory = cp.cuda.UnownedMemory(info.data_ptr, extent * itemsize, owner=None, device_id=call.device_id)
+    dtype = np.float32 if info.dtype == "float32" else np.uint16
+    view = cp.ndarray(info.shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(memory, 0),
+                      strides=tuple(s * itemsize for s in info.strides))
+    view.fill(value)  # value 0 is +0.0 in both 16-bit formats
 
 
 def _check_grid(shape: AttentionShape) -> None:
     for name, value in (("batch", shape.batch), ("nheads", shape.nheads)):
         if value > _MAX_GRID_YZ:
             raise ValueError(f"q: expected {name} <= {_MAX_GRID_YZ}, got {value}")
-
-
-def _prepare_out(call, out, shape: AttentionShape, qc):
-    cp = interop.import_cupy()
-    if out is None:
-        return cp.empty((shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim), dtype=qc.dtype)
-    out_c = call.to_cupy("out", out) if call.framework != "cupy" else out
-    validate_out(interop.describe("out", out_c), shape)
-    return out_c
-
-
-def _forward_cupy(q, k, v, out, shape: AttentionShape, causal: bool, device_id: int, config=None, lse=None):
-    """Launch the forward kernel on CuPy arrays (current stream); returns softmax_lse.
-
-    `config` overrides the tile choice (benchmarks and tuning only)."""
-    cp = interop.import_cupy()
-    from .compiler import get_kernel
-
-    if lse is None:
-        lse = cp.empty((shape.batch, shape.nheads, shape.seqlen_q), dtype=np.float32)
-    if shape.seqlen_k == 0:  # FA2: no keys -> output 0, LSE +inf
-        out.view(cp.uint16).fill(0)  # +0.0 in both 16-bit formats
-        lse.fill(np.inf)
-        return lse
-    cc = cp.cuda.Device(device_id).compute_capability
-    arch = check_compute_capability(int(cc[:-1]), int(cc[-1]))
-    if config is None:
-        config = forward_config(shape.head_dim, _SHORT_DTYPE[shape.dtype], causal, arch)
-    kernel = get_kernel(config, device_id)
-    grid = (math.ceil(shape.seqlen_q / config.block_m), shape.nheads, shape.batch)
-    strides = [np.int64(s // x.dtype.itemsize) for x in (q, k, v, out) for s in x.strides[:3]]
-    kernel(grid, (config.threads,),
-           (q, k, v, out, lse, *strides, np.int32(shape.seqlen_q), np.int32(shape.seqlen_k),
-            np.int32(shape.head_dim), np.int32(shape.kv_group), np.float32(shape.softmax_scale * LOG2_E)),
-           shared_mem=config.smem_bytes)
-    return lse
 
 
 def _forward_numpy(q, k, v, softmax_scale, causal, out):
@@ -170,7 +171,7 @@ def attention_probs(q, k, softmax_lse, softmax_scale=None, causal=False):
         return _probs(np, q, k, softmax_lse, softmax_scale, causal)
     with interop.gpu_call(q) as call:
         qa, ka, la = (call.to_cupy(n, x) for n, x in (("q", q), ("k", k), ("softmax_lse", softmax_lse)))
-        return call.from_cupy(_probs(interop.import_cupy(), qa, ka, la, softmax_scale, causal))
+        return call.result(_probs(interop.import_cupy(), qa, ka, la, softmax_scale, causal))
 
 
 def _probs(xp, q, k, lse, softmax_scale, causal):

@@ -1,22 +1,17 @@
 """Backward pass: (dq, dk, dv) from dout and the forward's out and softmax_lse.
 
-GPU flow: D = rowsum(dout * out) -> main kernel(s) (dK, dV, and dQ through fp32 atomics) ->
-conversion of the fp32 accumulators (dQ scaled; dK/dV summed over GQA groups). deterministic=True
-replaces the dQ atomics by a kernel that owns each query block, so results are bit-identical.
+GPU flow (cuflash2.launch.backward): D = rowsum(dout * out) -> main kernel(s) for dK and dV ->
+a dQ kernel that owns each query block (no atomics: deterministic, and measured faster than fp32
+atomics on the H200) -> conversion of fp32 accumulators (dK/dV summed over GQA groups).
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from . import interop, reference
-from .api import LOG2_E, _SHORT_DTYPE, _check_grid
-from .config import backward_plan
-from .validate import AttentionShape, check_compute_capability, check_unsupported_options, validate_qkv
-
-_THREADS_ELEMENTWISE = 256
+from . import interop, launch, reference
+from .api import _check_grid, _fill
+from .validate import AttentionShape, check_alignment, check_unsupported_options, validate_qkv
 
 
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -30,112 +25,53 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
     if interop.framework_of(q) == "numpy":
         return _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, dq, dk, dv)
     with interop.gpu_call(q) as call:
-        qc, kc, vc, doc, oc = (call.to_cupy(n, x) for n, x in
-                               (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
-        shape = validate_qkv(*(interop.describe(n, x) for n, x in (("q", qc), ("k", kc), ("v", vc))), softmax_scale)
+        q_i, k_i, v_i = (call.tensor(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+        shape = validate_qkv(q_i, k_i, v_i, softmax_scale)
         _check_grid(shape)
-        _check_like("dout", interop.describe("dout", doc), interop.describe("q", qc))
-        _check_like("out", interop.describe("out", oc), interop.describe("q", qc))
-        lse_c = call.to_cupy("softmax_lse", softmax_lse)
-        _check_lse(lse_c.shape, np.dtype(lse_c.dtype).name, shape)
-        grads = []
-        for name, given, like in (("dq", dq, qc), ("dk", dk, kc), ("dv", dv, vc)):
-            grads.append(_prepare_grad(call, name, given, like))
-        _backward_cupy(doc, qc, kc, vc, oc, lse_c, *grads, shape, causal, deterministic, call.device_id)
-        return tuple(given if given is not None else call.from_cupy(g)
-                     for given, g in zip((dq, dk, dv), grads))
+        do_i, out_i, lse_i = (call.tensor(n, x) for n, x in (("dout", dout), ("out", out), ("softmax_lse", softmax_lse)))
+        _check_like("dout", do_i, q_i)
+        _check_like("out", out_i, q_i)
+        _check_lse(lse_i, shape)
+        for name, info in (("dout", do_i), ("out", out_i)):
+            check_alignment(name, info)
+        arrays, infos = [], []
+        for name, given, like, like_i in (("dq", dq, q, q_i), ("dk", dk, k, k_i), ("dv", dv, v, v_i)):
+            if given is None:
+                array, info = call.empty(like_i.shape, like_i.dtype, like=like)
+            else:
+                array, info = given, call.tensor(name, given)
+                _check_like(name, info, like_i)
+                check_alignment(name, info)
+            arrays.append(array)
+            infos.append(info)
+        if shape.seqlen_k == 0:
+            for info in infos:
+                _fill(call, info, 0)
+        else:
+            launch.backward(do_i, q_i, k_i, v_i, out_i, lse_i, *infos, shape, causal, deterministic, call.device_id,
+                            call.stream)
+        return tuple(call.result(a) for a in arrays)
 
 
 def _check_like(name, info, q_info) -> None:
     if info.shape != q_info.shape:
-        raise ValueError(f"{name}: expected shape {q_info.shape} (same as q), got {info.shape}")
+        raise ValueError(f"{name}: expected shape {q_info.shape} (same as {_like_name(name)}), got {info.shape}")
     if info.dtype != q_info.dtype:
-        raise TypeError(f"{name}: expected dtype {q_info.dtype} (same as q), got {info.dtype}")
+        raise TypeError(f"{name}: expected dtype {q_info.dtype} (same as {_like_name(name)}), got {info.dtype}")
 
 
-def _check_lse(lse_shape, lse_dtype: str, shape: AttentionShape) -> None:
+def _like_name(name: str) -> str:
+    return {"dk": "k", "dv": "v"}.get(name, "q")
+
+
+def _check_lse(info, shape: AttentionShape) -> None:
     expected = (shape.batch, shape.nheads, shape.seqlen_q)
-    if tuple(lse_shape) != expected:
-        raise ValueError(f"softmax_lse: expected shape {expected}, got {tuple(lse_shape)}")
-    if lse_dtype != "float32":
-        raise TypeError(f"softmax_lse: expected dtype float32, got {lse_dtype}")
-
-
-def _prepare_grad(call, name, given, like):
-    cp = interop.import_cupy()
-    if given is None:
-        return cp.empty(like.shape, dtype=like.dtype)
-    grad = call.to_cupy(name, given) if call.framework != "cupy" else given
-    _check_like(name, interop.describe(name, grad), interop.describe(name, like))
-    return grad
-
-
-def _strides(x):
-    return [np.int64(s // x.dtype.itemsize) for s in x.strides[:3]]
-
-
-def _backward_cupy(dout, q, k, v, out, lse, dq, dk, dv, shape: AttentionShape, causal: bool, deterministic: bool,
-                   device_id: int, split=None) -> None:
-    """Launch the backward kernels on CuPy arrays (current stream), writing dq, dk, dv.
-
-    `split` overrides the plan's choice of one or two main launches (benchmarks and tuning only)."""
-    cp = interop.import_cupy()
-    from .compiler import get_kernel
-
-    b, sq, sk, h, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.head_dim
-    if sk == 0:
-        for g in (dq, dk, dv):
-            g.view(cp.uint16).fill(0)
-        return
-    cc = cp.cuda.Device(device_id).compute_capability
-    arch = check_compute_capability(int(cc[:-1]), int(cc[-1]))
-    gqa = shape.kv_group > 1
-    plan = backward_plan(d, _SHORT_DTYPE[shape.dtype], causal, arch, deterministic, gqa, split)
-    i32, f32 = np.int32, np.float32
-    scale = shape.softmax_scale
-
-    delta = cp.empty((b, h, sq), dtype=np.float32)
-    rows_threads = h * sq * 8
-    get_kernel(plan.dot, device_id)((math.ceil(rows_threads / _THREADS_ELEMENTWISE), b), (_THREADS_ELEMENTWISE,),
-                                    (dout, out, delta, *_strides(dout), *_strides(out), i32(sq), i32(h), i32(d)))
-
-    dq_accum = None if deterministic else cp.zeros((b, sq, h, d), dtype=np.float32)
-    if gqa:
-        dk_target = cp.empty((b, sk, h, d), dtype=np.float32)
-        dv_target = cp.empty((b, sk, h, d), dtype=np.float32)
-        dk_strides = dv_strides = [np.int64(0)] * 3  # contiguous fp32 layout known to the kernel
-    else:
-        dk_target, dv_target, dk_strides, dv_strides = dk, dv, _strides(dk), _strides(dv)
-    for config in plan.main:
-        grid = (math.ceil(sk / config.block_n), h, b)
-        get_kernel(config, device_id)(
-            grid, (config.threads,),
-            (q, k, v, dout, lse, delta, dq_accum if dq_accum is not None else delta, dk_target, dv_target,
-             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *dk_strides, *dv_strides,
-             i32(sq), i32(sk), i32(d), i32(shape.kv_group), f32(scale * LOG2_E), f32(scale)),
-            shared_mem=config.smem_bytes)
-
-    if deterministic:
-        config = plan.dq
-        get_kernel(config, device_id)(
-            (math.ceil(sq / config.block_m), h, b), (config.threads,),
-            (q, k, v, dout, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-             *_strides(dq), i32(sq), i32(sk), i32(d), i32(shape.kv_group), f32(scale * LOG2_E), f32(scale)),
-            shared_mem=config.smem_bytes)
-    else:
-        _convert(get_kernel(plan.convert, device_id), dq_accum, dq, sq, h, d, 1, scale)
-    if gqa:
-        convert = get_kernel(plan.convert, device_id)
-        _convert(convert, dk_target, dk, sk, shape.nheads_kv, d, shape.kv_group, 1.0)
-        _convert(convert, dv_target, dv, sk, shape.nheads_kv, d, shape.kv_group, 1.0)
-
-
-def _convert(kernel, acc, out, seqlen: int, nheads: int, head_dim: int, group: int, scale: float) -> None:
-    batch = out.shape[0]
-    work = seqlen * nheads * (head_dim // 2)
-    kernel((math.ceil(work / _THREADS_ELEMENTWISE), batch), (_THREADS_ELEMENTWISE,),
-           (acc, out, *_strides(out), np.int32(seqlen), np.int32(nheads), np.int32(head_dim), np.int32(group),
-            np.float32(scale)))
+    if tuple(info.shape) != expected:
+        raise ValueError(f"softmax_lse: expected shape {expected}, got {tuple(info.shape)}")
+    if info.dtype != "float32":
+        raise TypeError(f"softmax_lse: expected dtype float32, got {info.dtype}")
+    if info.strides != (shape.nheads * shape.seqlen_q, shape.seqlen_q, 1):
+        raise ValueError(f"softmax_lse: expected a contiguous array, got strides {info.strides}")
 
 
 def _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, dq, dk, dv):
@@ -148,7 +84,7 @@ def _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, dq, 
                          check_pointers=False)
     _check_like("dout", interop.describe("dout", dout), interop.describe("q", q))
     _check_like("out", interop.describe("out", out), interop.describe("q", q))
-    _check_lse(softmax_lse.shape, softmax_lse.dtype.name, shape)
+    _check_lse(interop.describe("softmax_lse", softmax_lse), shape)
     if shape.seqlen_k == 0:
         grads = tuple(np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
     else:

@@ -187,16 +187,20 @@ def _bwd_main(dtype, bucket, block_m, causal, flags, arch, max_stages=2) -> Kern
 
 
 def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, deterministic: bool = False,
-                  gqa: bool = False, split: bool | None = None) -> BackwardPlan:
+                  gqa: bool = False, split: bool | None = None, atomic_dq: bool | None = None) -> BackwardPlan:
     """Kernels (and tile shapes) of one backward pass.
 
     gqa: dK/dV are accumulated per query head in fp32 and summed over each group afterwards.
     split: produce dV and (dK, dQ) in two launches (default: only above head dim 128).
+    atomic_dq: accumulate dQ with fp32 atomics inside the main kernel instead of running the dQ
+    kernel. Off by default: the dQ kernel is deterministic and was faster on the H200 (bench record).
     """
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
     causal = bool(causal)
-    atomic_dq = not deterministic
+    if deterministic and atomic_dq:
+        raise ValueError("atomic_dq: fp32 atomics cannot be deterministic")
+    atomic_dq = bool(atomic_dq)
     if split is None:
         split = bucket > 128
     if not split:
@@ -209,7 +213,7 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
         main = (_bwd_main(dtype, bucket, 64, causal, (True, False, False, gqa), arch),
                 _bwd_main(dtype, bucket, dk_block_m, causal, (False, True, atomic_dq, gqa), arch, dk_stages))
     dq = None
-    if deterministic:
+    if not atomic_dq:
         block_n = 64 if bucket <= 128 else 32
         dq = KernelConfig(BWD_DQ, dtype, bucket, 64, block_n, 4, 0, causal)
         assert dq.smem_bytes <= smem_limit(arch)
@@ -231,9 +235,10 @@ def all_backward_configs(arch: int) -> list[KernelConfig]:
     for bucket in HEAD_DIM_BUCKETS:
         for dtype in DTYPES:
             for causal in (False, True):
-                for deterministic in (False, True):
+                for atomic_dq in (False, True):
                     for gqa in (False, True):
-                        for config in backward_plan(bucket, dtype, causal, arch, deterministic, gqa).kernels():
+                        plan = backward_plan(bucket, dtype, causal, arch, gqa=gqa, atomic_dq=atomic_dq)
+                        for config in plan.kernels():
                             configs[config] = None
     return list(configs)
 

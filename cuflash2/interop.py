@@ -8,7 +8,7 @@ producers (they make their data ready on it when exporting). Nothing synchronise
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import warnings
 
 import numpy as np
 
@@ -63,39 +63,62 @@ def _check_cuda(name: str, x) -> None:
                         f"got a {type(x).__name__} on DLPack device type {device_type}")
 
 
-def _torch_view(x):
-    return x.detach() if getattr(x, "requires_grad", False) else x
+def _torch_dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def _last_dim_contiguous(cp, x):
-    """The kernels need stride 1 in the last dim; copy (as FA2 does) when it is not."""
-    if x.ndim and x.strides[-1] != x.dtype.itemsize and x.shape[-1] > 1:
-        return cp.ascontiguousarray(x)
-    return x
-
-
-@dataclasses.dataclass
 class GpuCall:
-    """The inputs of one call as CuPy arrays, plus how to hand results back."""
+    """One GPU call: the inputs described as device tensors, outputs allocated in the caller's
+    framework, and the stream to launch on. Copies made on the way (a non-unit last stride) are
+    kept alive here until the call ends."""
 
-    framework: str
-    device_id: int
-    stream: object  # cupy stream to launch on
+    def __init__(self, framework: str, device_id: int, stream):
+        self.framework, self.device_id, self.stream = framework, device_id, stream
+        self._keep: list = []
+
+    def tensor(self, name: str, x) -> TensorInfo:
+        """Describe a GPU input (the kernels need a unit last stride: copy when it is not, as FA2)."""
+        if self.framework == "torch":
+            if x.device.type != "cuda":
+                raise TypeError(f"{name}: expected a CUDA tensor, got a tensor on {x.device}")
+            if x.dim() and x.stride(-1) != 1 and x.shape[-1] > 1:
+                x = x.contiguous()
+                self._keep.append(x)
+            return TensorInfo(tuple(x.shape), tuple(x.stride()), _torch_dtype_name(x.dtype),
+                              f"cuda:{x.device.index}", x.data_ptr(), x.element_size())
+        return describe(name, self.to_cupy(name, x))
 
     def to_cupy(self, name: str, x):
+        """A CuPy view of a GPU input (zero-copy through DLPack, except the last-stride copy)."""
         cp = import_cupy()
         if self.framework != "cupy":
             _check_cuda(name, x)
-            if self.framework == "torch":
-                x = _torch_view(x)
+            if self.framework == "torch" and x.requires_grad:
+                x = x.detach()
             x = cp.from_dlpack(x)
-        return _last_dim_contiguous(cp, x)
+        if x.ndim and x.strides[-1] != x.dtype.itemsize and x.shape[-1] > 1:
+            x = cp.ascontiguousarray(x)
+        self._keep.append(x)
+        return x
 
-    def from_cupy(self, x):
+    def empty(self, shape, dtype_name: str, like=None):
+        """(array in the caller's framework, its TensorInfo) for a new output."""
         if self.framework == "torch":
             import torch
 
-            return torch.from_dlpack(x)
+            array = torch.empty(shape, dtype=getattr(torch, dtype_name), device=f"cuda:{self.device_id}")
+            return array, self.tensor("out", array)
+        cp = import_cupy()
+        dtype = like.dtype if like is not None and np.dtype(like.dtype).name == dtype_name else np.dtype(dtype_name)
+        array = cp.empty(shape, dtype=dtype)
+        return array, describe("out", array)
+
+    def result(self, x):
+        """Hand an output back in the caller's framework (CuPy arrays converted zero-copy)."""
+        if self.framework == "torch":
+            import torch
+
+            return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
         if self.framework == "jax":
             import jax
 
@@ -107,6 +130,26 @@ def _dlpack_device_id(x) -> int:
     return int(x.__dlpack_device__()[1])
 
 
+_external_streams: dict[tuple[int, int], object] = {}
+
+
+def _torch_stream(cp, device_id: int):
+    import torch
+
+    return external_stream(cp, torch.cuda.current_stream(device_id).cuda_stream, device_id)
+
+
+def external_stream(cp, handle: int, device_id: int):
+    """A (cached) CuPy wrapper of a stream owned by another framework."""
+    stream = _external_streams.get((handle, device_id))
+    if stream is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cp.cuda.ExternalStream(handle, device_id)
+        _external_streams[(handle, device_id)] = stream
+    return stream
+
+
 @contextlib.contextmanager
 def gpu_call(first_input):
     """Context for one GPU call: makes the input's device and the caller's stream current."""
@@ -114,17 +157,16 @@ def gpu_call(first_input):
     cp = import_cupy()
     if framework == "cupy":
         device_id = first_input.device.id
+    elif framework == "torch":
+        if first_input.device.type != "cuda":
+            raise TypeError(f"q: expected a CUDA tensor (or a NumPy array for the CPU path), "
+                            f"got a torch tensor on {first_input.device}")
+        device_id = first_input.device.index
     else:
         _check_cuda("q", first_input)
         device_id = _dlpack_device_id(first_input)
     with cp.cuda.Device(device_id):
-        if framework == "torch":
-            import torch
-
-            torch_stream = torch.cuda.current_stream(device_id)
-            stream = cp.cuda.ExternalStream(torch_stream.cuda_stream, device_id)
-        else:
-            stream = cp.cuda.get_current_stream()
+        stream = _torch_stream(cp, device_id) if framework == "torch" else cp.cuda.get_current_stream()
         with stream:
             yield GpuCall(framework, device_id, stream)
 

@@ -10,7 +10,8 @@ import cupy as cp
 import numpy as np
 
 import cuflash2
-from cuflash2 import api, bench
+from cuflash2 import bench, launch
+from cuflash2.interop import describe
 from cuflash2.config import FWD, KernelConfig, forward_config
 from cuflash2.validate import AttentionShape
 
@@ -40,17 +41,28 @@ def torch_sdpa_bwd(backend_name, q, k, v, causal):
     return run
 
 
-def bench_bwd(q, k, v, causal, flops, deterministic=False, split=None):
-    from cuflash2 import backward
-
+def bench_bwd(q, k, v, causal, flops, split=None, atomic_dq=None):
+    """Backward kernels alone (launch level: no per-call Python validation)."""
     qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
     out, lse = cuflash2.flash_attn_forward(qc, kc, vc, causal=causal)
     dout = cp.from_dlpack(q.clone().normal_())
     b, s, h, d = qc.shape
     shape = AttentionShape(b, s, s, h, h, d, np.dtype(qc.dtype).name, 1 / math.sqrt(d))
     grads = [cp.empty_like(x) for x in (qc, kc, vc)]
-    ms = bench.time_cuda_ms(lambda: backward._backward_cupy(dout, qc, kc, vc, out, lse, *grads, shape, causal,
-                                                            deterministic, 0, split))
+    infos = [describe("x", x) for x in (dout, qc, kc, vc, out, lse, *grads)]
+    stream = cp.cuda.get_current_stream()
+    ms = bench.time_cuda_ms(lambda: launch.backward(*infos, shape, causal, False, 0, stream, atomic_dq, split))
+    return flops / ms / 1e9
+
+
+def bench_bwd_api(q, k, v, causal, flops):
+    """torch autograd through cuflash2's custom op (what a torch user gets), backward only."""
+    import torch
+
+    qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
+    out = cuflash2.flash_attn_func(qt, kt, vt, causal=causal)
+    grad = torch.randn_like(out)
+    ms = bench.time_cuda_ms(lambda: torch.autograd.grad(out, (qt, kt, vt), grad, retain_graph=True))
     return flops / ms / 1e9
 
 
@@ -77,11 +89,14 @@ def main():
                     row = {"mode": mode, "seqlen": seqlen, "head_dim": head_dim, "causal": causal}
                     if mode == "fwd":
                         row["cuflash2"] = flops / bench.time_cuda_ms(lambda: cuflash2.flash_attn_func(q, k, v, causal=causal)) / 1e9
+                        row["kernel"] = bench_fwd_kernel(q, k, v, causal, flops)
                     else:
-                        row["cuflash2"] = bench_bwd(q, k, v, causal, flops)
-                        row["cuflash2-det"] = bench_bwd(q, k, v, causal, flops, deterministic=True)
-                        if args.sweep and head_dim <= 128:
-                            row["split"] = bench_bwd(q, k, v, causal, flops, split=True)
+                        row["cuflash2"] = bench_bwd_api(q, k, v, causal, flops)
+                        row["kernel"] = bench_bwd(q, k, v, causal, flops)
+                        if args.sweep:
+                            row["atomic"] = bench_bwd(q, k, v, causal, flops, atomic_dq=True)
+                            if head_dim <= 128:
+                                row["split"] = bench_bwd(q, k, v, causal, flops, split=True)
                     for name in ("flash", "cudnn"):
                         try:
                             fn = torch_sdpa(name)
@@ -97,18 +112,27 @@ def main():
     for r in rows:
         print(f"{r['mode']:>4} {r['seqlen']:6d} {r['head_dim']:4d} {str(r['causal']):>6} {r['cuflash2']:9.1f} "
               f"{r['flash']:7.1f} {r['cudnn']:7.1f} {r['cuflash2'] / r['flash']:8.2f}"
-              + (f"  det {r['cuflash2-det']:.1f}" if "cuflash2-det" in r else ""))
+              + f"  kernel-only {r['kernel']:.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 
 
-def sweep(q, k, v, causal, dtype, flops):
-    """TFLOP/s of alternative tile shapes (for tuning the config table)."""
+def bench_fwd_kernel(q, k, v, causal, flops, config=None):
+    """Forward kernel alone (launch level: no per-call Python validation)."""
     qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
     b, s, h, d = qc.shape
     shape = AttentionShape(b, s, s, h, h, d, np.dtype(qc.dtype).name, 1 / math.sqrt(d))
-    out = cp.empty_like(qc)
+    out, lse = cp.empty_like(qc), cp.empty((b, h, s), dtype=np.float32)
+    infos = [describe("x", x) for x in (qc, kc, vc, out, lse)]
+    stream = cp.cuda.get_current_stream()
+    ms = bench.time_cuda_ms(lambda: launch.forward(*infos, shape, causal, 0, stream, config), 3, 10)
+    return flops / ms / 1e9
+
+
+def sweep(q, k, v, causal, dtype, flops):
+    """TFLOP/s of alternative tile shapes (for tuning the config table)."""
+    d = q.shape[-1]
     results = {}
     for block_m, block_n, warps, stages in [(128, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 4, 2),
                                             (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),
@@ -118,8 +142,7 @@ def sweep(q, k, v, causal, dtype, flops):
         if config.smem_bytes > 227 * 1024:
             continue
         try:
-            ms = bench.time_cuda_ms(lambda: api._forward_cupy(qc, kc, vc, out, shape, causal, 0, config), 3, 10)
-            results[config.short_id()] = round(flops / ms / 1e9, 1)
+            results[config.short_id()] = round(bench_fwd_kernel(q, k, v, causal, flops, config), 1)
         except Exception as exc:
             results[config.short_id()] = str(exc)[:80]
     return results

@@ -117,6 +117,13 @@ def test_check_quick_without_gpu_runs_numpy_checks(no_gpu, no_backward):
     assert result.output.count("PASS") == len(checks.numpy_cases(["bf16", "fp16"], False))
 
 
+def test_check_quick_without_gpu_as_installed(no_gpu):
+    """With whatever backward this version has: the CPU sweep must pass (or skip) and say GPU skipped."""
+    result = invoke("check", "--quick")
+    assert result.exit_code == 0, result.output
+    assert "GPU checks skipped" in result.output and " 0 failed" in result.output
+
+
 def test_check_filter_and_empty_filter(no_gpu, no_backward):
     result = invoke("check", "--dtype", "fp16", "-k", "causal")
     assert result.exit_code == 0
@@ -326,6 +333,16 @@ def test_judge_rule():
     assert math.isinf(checks.judge("a", 1e-6, 0.0, 2.0).ratio)
 
 
+def test_backward_check_with_a_single_key():
+    """seqlen_k = 1 makes dq, dk exactly 0 in the naive computation: the scaled floor absorbs fp32 noise."""
+    if not hasattr(cuflash2, "flash_attn_backward"):
+        pytest.skip("cuflash2.flash_attn_backward not available")
+    case = checks.Case("bwd", "fp16", 32, 23, 1, False, batch=1, heads=2, heads_kv=2)
+    results = checks.run_case(np, case)
+    assert [r.case_id.rsplit(":", 1)[1] for r in results] == ["dq", "dk", "dv"]
+    assert all(r.passed for r in results), results
+
+
 def test_gpu_case_lists():
     quick = checks.gpu_cases(True, ["bf16", "fp16"], backward=False)
     assert {c.kind for c in quick} == {"fwd"} and {c.dtype for c in quick} == {"bf16", "fp16"}
@@ -338,6 +355,10 @@ def test_gpu_case_lists():
     full = checks.gpu_cases(False, ["bf16"], backward=True)
     assert {8, 40, 72, 96, 136, 192, 224, 256} <= {c.head_dim for c in full}
     assert {c.kind for c in full} == {"fwd", "bwd"}
+    # --quick: the second dtype's backward is trimmed (compile time), the first one's is not
+    quick_bwd = [c for c in checks.gpu_cases(True, ["fp16", "bf16"], backward=True) if c.kind == "bwd"]
+    assert {c.head_dim for c in quick_bwd if c.dtype == "fp16"} >= {40, 64, 128, 256}
+    assert {c.head_dim for c in quick_bwd if c.dtype == "bf16"} == {64, 128}
 
 
 def _random(shape, seed):

@@ -9,16 +9,18 @@ import shutil
 
 import pytest
 
-from cuflash2 import compiler
+from cuflash2 import compiler, config as cfg
 from cuflash2.config import all_forward_configs
 
 COMPILE_ARCHS = (80, 90)
-CASES = [pytest.param(arch, c, id=f"sm_{arch}-{c.short_id()}")
-         for arch in COMPILE_ARCHS for c in all_forward_configs(arch)]
 
 
-@pytest.mark.parametrize("arch,config", CASES)
-def test_compile_forward(arch, config):
+def _cases(list_configs):
+    return [pytest.param(arch, c, id=f"sm_{arch}-{c.short_id()}")
+            for arch in COMPILE_ARCHS for c in list_configs(arch)]
+
+
+def _check_compiles(arch, config):
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
     report = compiler.compile_offline(config, f"sm_{arch}")
     assert not report.error, f"{config.template_name()} failed to compile for sm_{arch}:\n{report.error}"
@@ -29,6 +31,17 @@ def test_compile_forward(arch, config):
     assert report.ok, report.line()
     assert report.smem_bytes == config.smem_bytes
     assert "regs=" in report.line() and config.short_id() in report.line()
+
+
+@pytest.mark.parametrize("arch,config", _cases(all_forward_configs))
+def test_compile_forward(arch, config):
+    _check_compiles(arch, config)
+
+
+# Backward kernels, where the library has them (every instantiation of every backward plan).
+@pytest.mark.parametrize("arch,config", _cases(getattr(cfg, "all_backward_configs", lambda arch: [])))
+def test_compile_backward(arch, config):
+    _check_compiles(arch, config)
 
 
 def test_parse_ptxas_log():

@@ -9,6 +9,13 @@ from cuflash2 import bench, config
 from cuflash2.config import KernelConfig, all_forward_configs, forward_config, head_dim_bucket, smem_limit
 
 ARCHS = (80, 86, 89, 90)
+FWD_KERNEL = "flash_fwd_kernel"
+
+
+def fwd_config(dtype, head_dim, block_m, block_n, warps, stages, causal, kernel=FWD_KERNEL):
+    """A forward KernelConfig built by keyword (independent of the dataclass' field order)."""
+    return KernelConfig(kernel=kernel, dtype=dtype, head_dim=head_dim, block_m=block_m, block_n=block_n,
+                        warps=warps, stages=stages, causal=causal)
 HEAD_DIMS = tuple(range(8, config.MAX_HEAD_DIM + 1, 8))
 
 
@@ -32,7 +39,7 @@ def test_forward_config_every_head_dim(arch, causal, dtype):
         assert c.block_n % 16 == 0 and c.block_n > 0, where
         assert c.stages >= 2, where
         assert c.threads == 32 * c.warps <= 1024, where
-        assert c.kernel == "flash_fwd_kernel", where
+        assert c.kernel == FWD_KERNEL, where
 
 
 def test_forward_config_is_deterministic_and_hashable():
@@ -61,7 +68,7 @@ def test_forward_config_old_arch(arch):
 
 
 def test_smem_bytes_formula():
-    c = KernelConfig("bf16", 128, 128, 64, 8, 3, False)
+    c = fwd_config("bf16", 128, 128, 64, 8, 3, False)
     assert c.smem_bytes == 128 * 128 * 2 + 3 * 64 * 128 * 2
     assert c.threads == 256
 
@@ -76,8 +83,8 @@ def test_template_name_round_trips(arch):
         match = pattern.match(c.template_name())
         assert match, c.template_name()
         kernel, ctype, d, bm, bn, w, s, causal = match.groups()
-        parsed = KernelConfig({"Bf16": "bf16", "Fp16": "fp16"}[ctype], int(d), int(bm), int(bn), int(w), int(s),
-                              causal == "true", kernel)
+        parsed = fwd_config({"Bf16": "bf16", "Fp16": "fp16"}[ctype], int(d), int(bm), int(bn), int(w), int(s),
+                            causal == "true", kernel)
         assert parsed == c
 
 
@@ -85,9 +92,9 @@ def test_short_id_is_unique_and_readable():
     configs = {c for arch in (80, 86, 90) for c in all_forward_configs(arch)}
     ids = {c.short_id() for c in configs}
     assert len(ids) == len(configs)
-    c = KernelConfig("fp16", 96, 128, 64, 8, 2, True)
+    c = fwd_config("fp16", 96, 128, 64, 8, 2, True)
     assert c.short_id() == "fwd-fp16-d96-causal-m128n64w8s2"
-    assert KernelConfig("bf16", 32, 128, 128, 4, 2, False).short_id() == "fwd-bf16-d32-full-m128n128w4s2"
+    assert fwd_config("bf16", 32, 128, 128, 4, 2, False).short_id() == "fwd-bf16-d32-full-m128n128w4s2"
 
 
 # ---------------------------------------------------------------------------------- head_dim_bucket
@@ -104,6 +111,12 @@ def test_head_dim_bucket_values():
 @pytest.mark.parametrize("d", [257, 264, 300, 512, 10_000])
 def test_head_dim_bucket_too_large(d):
     with pytest.raises(ValueError, match=rf"head_dim: expected at most 256, got {d}"):
+        head_dim_bucket(d)
+
+
+@pytest.mark.parametrize("d", [0, -1, -64])
+def test_head_dim_bucket_not_positive(d):
+    with pytest.raises(ValueError, match=rf"head_dim: .*got {d}"):
         head_dim_bucket(d)
 
 

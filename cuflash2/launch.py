@@ -1,0 +1,117 @@
+"""Kernel launches on described device tensors (pointer, shape, strides): no array objects are
+built on the hot path, so a call costs little more than the launches themselves.
+
+Every function here runs on the given CuPy stream and assumes its inputs were validated.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from .compiler import get_kernel
+from .config import KernelConfig, backward_plan, forward_config
+from .validate import AttentionShape, TensorInfo, check_compute_capability
+
+LOG2_E = 1.0 / math.log(2.0)
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
+_ELEMENTWISE_THREADS = 256
+_i32, _i64, _f32, _ptr = np.int32, np.int64, np.float32, np.uint64
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(device_id: int) -> int:
+    """Compute capability as an int (90 for sm_90), checked to be >= 8.0."""
+    import cupy as cp
+
+    cc = cp.cuda.Device(device_id).compute_capability
+    return check_compute_capability(int(cc[:-1]), int(cc[-1]))
+
+
+def _strides3(t: TensorInfo):
+    return [_i64(s) for s in t.strides[:3]]
+
+
+def _launch(config: KernelConfig, device_id: int, stream, grid, args) -> None:
+    get_kernel(config, device_id)(grid, (config.threads,), args, shared_mem=config.smem_bytes, stream=stream)
+
+
+def forward(q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: TensorInfo, shape: AttentionShape,
+            causal: bool, device_id: int, stream, config: KernelConfig | None = None) -> None:
+    """out, lse <- attention(q, k, v). `config` overrides the tile choice (tuning only)."""
+    if config is None:
+        config = forward_config(shape.head_dim, SHORT_DTYPE[shape.dtype], causal, device_arch(device_id))
+    grid = (math.ceil(shape.seqlen_q / config.block_m), shape.nheads, shape.batch)
+    _launch(config, device_id, stream, grid,
+            (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(out.data_ptr), _ptr(lse.data_ptr),
+             *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
+             _i32(shape.seqlen_q), _i32(shape.seqlen_k), _i32(shape.head_dim), _i32(shape.kv_group),
+             _f32(shape.softmax_scale * LOG2_E)))
+
+
+def _scratch(cp, shape, dtype=np.float32, zero=False):
+    array = cp.zeros(shape, dtype=dtype) if zero else cp.empty(shape, dtype=dtype)
+    itemsize = np.dtype(dtype).itemsize
+    info = TensorInfo(tuple(shape), tuple(s // itemsize for s in array.strides), np.dtype(dtype).name, "",
+                      array.data.ptr, itemsize)
+    return array, info
+
+
+def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: TensorInfo,
+             dq: TensorInfo, dk: TensorInfo, dv: TensorInfo, shape: AttentionShape, causal: bool,
+             deterministic: bool, device_id: int, stream, atomic_dq: bool | None = None,
+             split: bool | None = None) -> None:
+    """dq, dk, dv <- gradients. `atomic_dq`/`split` override the plan (tuning and tests only)."""
+    import cupy as cp
+
+    b, sq, sk, h, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.head_dim
+    gqa = shape.kv_group > 1
+    plan = backward_plan(d, SHORT_DTYPE[shape.dtype], causal, device_arch(device_id), deterministic, gqa, split,
+                         atomic_dq)
+    keep = []  # scratch arrays must outlive the launches that use them (stream-ordered pool)
+
+    delta, delta_i = _scratch(cp, (b, h, sq))
+    keep.append(delta)
+    _launch(plan.dot, device_id, stream, (math.ceil(h * sq * 8 / _ELEMENTWISE_THREADS), b),
+            (_ptr(dout.data_ptr), _ptr(out.data_ptr), _ptr(delta_i.data_ptr), *_strides3(dout), *_strides3(out),
+             _i32(sq), _i32(h), _i32(d)))
+
+    dq_acc_ptr = delta_i.data_ptr  # unused unless dQ comes from atomics
+    if plan.dq is None:
+        dq_acc, dq_acc_i = _scratch(cp, (b, sq, h, d), zero=True)
+        keep.append(dq_acc)
+        dq_acc_ptr = dq_acc_i.data_ptr
+    if gqa:  # per-query-head fp32 dK/dV, summed over each group by the conversion kernel
+        (dk_acc, dk_t), (dv_acc, dv_t) = _scratch(cp, (b, sk, h, d)), _scratch(cp, (b, sk, h, d))
+        keep += [dk_acc, dv_acc]
+        dk_strides = dv_strides = [_i64(0)] * 3  # the kernel knows the contiguous fp32 layout
+    else:
+        dk_t, dv_t, dk_strides, dv_strides = dk, dv, _strides3(dk), _strides3(dv)
+    scale = shape.softmax_scale
+    for config in plan.main:
+        _launch(config, device_id, stream, (math.ceil(sk / config.block_n), h, b),
+                (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(dout.data_ptr), _ptr(lse.data_ptr),
+                 _ptr(delta_i.data_ptr), _ptr(dq_acc_ptr), _ptr(dk_t.data_ptr), _ptr(dv_t.data_ptr),
+                 *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *dk_strides, *dv_strides,
+                 _i32(sq), _i32(sk), _i32(d), _i32(shape.kv_group), _f32(scale * LOG2_E), _f32(scale)))
+    if plan.dq is not None:
+        _launch(plan.dq, device_id, stream, (math.ceil(sq / plan.dq.block_m), h, b),
+                (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(dout.data_ptr), _ptr(lse.data_ptr),
+                 _ptr(delta_i.data_ptr), _ptr(dq.data_ptr), *_strides3(q), *_strides3(k), *_strides3(v),
+                 *_strides3(dout), *_strides3(dq), _i32(sq), _i32(sk), _i32(d), _i32(shape.kv_group),
+                 _f32(scale * LOG2_E), _f32(scale)))
+    else:
+        _convert(plan.convert, device_id, stream, dq_acc_ptr, dq, b, sq, h, d, 1, scale)
+    if gqa:
+        _convert(plan.convert, device_id, stream, dk_t.data_ptr, dk, b, sk, shape.nheads_kv, d, shape.kv_group, 1.0)
+        _convert(plan.convert, device_id, stream, dv_t.data_ptr, dv, b, sk, shape.nheads_kv, d, shape.kv_group, 1.0)
+    del keep  # CuPy's pool reuses the memory only for work queued after this point on the stream
+
+
+def _convert(config, device_id, stream, acc_ptr, out: TensorInfo, batch, seqlen, nheads, head_dim, group, scale):
+    work = seqlen * nheads * (head_dim // 2)
+    _launch(config, device_id, stream, (math.ceil(work / _ELEMENTWISE_THREADS), batch),
+            (_ptr(acc_ptr), _ptr(out.data_ptr), *_strides3(out), _i32(seqlen), _i32(nheads), _i32(head_dim),
+             _i32(group), _f32(scale)))
