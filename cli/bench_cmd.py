@@ -116,7 +116,8 @@ def emit(rows, fmt: str, output: str | None, env: dict) -> None:
 @click.option("--seqlen", "seqlens", default=None, callback=parse_positive_ints, metavar="N[,N...]",
               help="Comma list. Default: 512,1024,2048,4096,8192,16384.")
 @click.option("--heads", type=int, default=None, callback=positive_int, help="Default: 2048 // head dim.")
-@click.option("--head-dim", "head_dims", default=None, callback=parse_head_dims, metavar="D[,D...]", help="Comma list. Default: 64,128,256.")
+@click.option("--head-dim", "head_dims", default=None, callback=parse_head_dims, metavar="D[,D...]",
+              help="Comma list. Default: 64,128,256.")
 @click.option("--causal/--no-causal", default=None, help="Default: both.")
 @click.option("--dtype", type=click.Choice(("bf16", "fp16")), default="bf16", show_default=True)
 @click.option("--compare", default=None, callback=parse_compare, metavar="NAME[,NAME...]",
