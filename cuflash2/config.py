@@ -135,6 +135,9 @@ _FWD_TILES_LARGE_SMEM = {
     224: (128, 64, 8, 2),
     256: (128, 64, 8, 2),
 }
+# Causal head dim 128 measured faster with wide key blocks and 8 warps (H200, bf16, seqlen 4k:
+# 283 vs 264 TFLOP/s for 128x32/4 warps; see BENCHMARKS.md).
+_FWD_CAUSAL_TILES_LARGE_SMEM = {128: (128, 128, 8, 2)}
 _FWD_TILES_SMALL_SMEM = {
     32: (128, 128, 4, 2),
     64: (128, 64, 4, 2),
@@ -151,8 +154,11 @@ def forward_config(head_dim: int, dtype: str, causal: bool, arch: int) -> Kernel
     """Tile shape for the forward kernel on compute capability `arch`."""
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
-    table = _FWD_TILES_LARGE_SMEM if _large_smem(arch) else _FWD_TILES_SMALL_SMEM
-    block_m, block_n, warps, stages = table[bucket]
+    if _large_smem(arch):
+        tiles = (_FWD_CAUSAL_TILES_LARGE_SMEM if causal else {}).get(bucket) or _FWD_TILES_LARGE_SMEM[bucket]
+    else:
+        tiles = _FWD_TILES_SMALL_SMEM[bucket]
+    block_m, block_n, warps, stages = tiles
     config = KernelConfig(FWD, dtype, bucket, block_m, block_n, warps, stages, bool(causal))
     assert config.smem_bytes <= smem_limit(arch), f"{config.short_id()} needs {config.smem_bytes} B"
     return config
