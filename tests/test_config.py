@@ -163,6 +163,24 @@ def test_all_forward_configs(arch):
     assert all(c.smem_bytes <= smem_limit(arch) for c in configs)
 
 
+# ------------------------------------------------------------------------------- backward plans
+
+
+@pytest.mark.skipif(not hasattr(config, "all_backward_configs"), reason="no backward kernels in this version")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_all_backward_configs(arch):
+    """Every backward plan exists on every arch (99 KB parts included) and fits its shared memory."""
+    configs = config.all_backward_configs(arch)
+    assert configs and len(configs) == len(set(configs)), "duplicates"
+    limit = smem_limit(arch)
+    for c in configs:
+        assert c.smem_bytes <= limit, f"{c.short_id()} sm_{arch}: {c.smem_bytes} B > {limit} B"
+        assert c.dtype in config.DTYPES and c.warps >= 1, c.short_id()
+    for d, dtype, causal in itertools.product(HEAD_DIMS, config.DTYPES, (False, True)):
+        for kernel in config.backward_plan(d, dtype, causal, arch).kernels():
+            assert kernel in set(configs), f"d={d}: {kernel.short_id()} missing from all_backward_configs"
+
+
 # ------------------------------------------------------------------------------------ FLOP counting
 
 
