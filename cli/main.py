@@ -43,7 +43,9 @@ def main() -> None:
                                            "Default: precompile for the local GPU.")
 @click.option("--head-dims", default=None, help="Comma-separated head dims (default: every bucket).")
 @click.option("--dtypes", default="bf16,fp16", show_default=True, help="Comma-separated: bf16, fp16.")
-def compile_command(arch: str | None, head_dims: str | None, dtypes: str) -> None:
+@click.option("--kernels", type=click.Choice(["all", "fwd", "bwd"]), default="all", show_default=True,
+              help="Forward, backward, or both kernel families.")
+def compile_command(arch: str | None, head_dims: str | None, dtypes: str, kernels: str) -> None:
     """Compile every kernel instantiation; report registers, smem, stack and spills."""
     dims = _parse_int_list(head_dims, "--head-dims") or list(cfg.HEAD_DIM_BUCKETS)
     dtype_list = [d.strip() for d in dtypes.split(",") if d.strip()]
@@ -53,27 +55,39 @@ def compile_command(arch: str | None, head_dims: str | None, dtypes: str) -> Non
     for dim in dims:
         if dim < 8 or dim > cfg.MAX_HEAD_DIM or dim % 8:
             raise click.BadParameter(f"expected multiples of 8 in [8, 256], got {dim}", param_hint="--head-dims")
+    kinds = ("fwd", "bwd") if kernels == "all" else (kernels,)
     if arch is None:
-        failures = _compile_local(dims, dtype_list)
+        failures = _compile_local(dims, dtype_list, kinds)
     else:
-        failures = _compile_offline(_parse_archs(arch), dims, dtype_list)
+        failures = _compile_offline(_parse_archs(arch), dims, dtype_list, kinds)
     if failures:
         click.echo(f"{failures} kernel(s) failed (compile error, spill or stack frame)", err=True)
         sys.exit(1)
 
 
-def _configs(arch: int, dims: list[int], dtypes: list[str]) -> list[cfg.KernelConfig]:
-    unique = {cfg.forward_config(dim, dtype, causal, arch)
-              for dim in dims for dtype in dtypes for causal in (False, True)}
+def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ...] = ("fwd", "bwd")
+             ) -> list[cfg.KernelConfig]:
+    """Every instantiation the library can launch for these head dims and dtypes on `arch`."""
+    unique: dict[cfg.KernelConfig, None] = {}
+    for dim in dims:
+        for dtype in dtypes:
+            for causal in (False, True):
+                if "fwd" in kinds:
+                    unique[cfg.forward_config(dim, dtype, causal, arch)] = None
+                if "bwd" in kinds:
+                    for atomic_dq in (False, True):
+                        for gqa in (False, True):
+                            plan = cfg.backward_plan(dim, dtype, causal, arch, gqa=gqa, atomic_dq=atomic_dq)
+                            unique.update(dict.fromkeys(plan.kernels()))
     return sorted(unique, key=lambda c: c.short_id())
 
 
-def _compile_offline(archs: list[int], dims: list[int], dtypes: list[str]) -> int:
+def _compile_offline(archs: list[int], dims: list[int], dtypes: list[str], kinds) -> int:
     from cuflash2.compiler import compile_offline
 
     failures = 0
     for arch in archs:
-        for config in _configs(arch, dims, dtypes):
+        for config in _configs(arch, dims, dtypes, kinds):
             report = compile_offline(config, f"sm_{arch}")
             click.echo(report.line())
             if report.error:
@@ -82,7 +96,7 @@ def _compile_offline(archs: list[int], dims: list[int], dtypes: list[str]) -> in
     return failures
 
 
-def _compile_local(dims: list[int], dtypes: list[str]) -> int:
+def _compile_local(dims: list[int], dtypes: list[str], kinds) -> int:
     import time
 
     from cuflash2.compiler import get_kernel
@@ -94,7 +108,7 @@ def _compile_local(dims: list[int], dtypes: list[str]) -> int:
     device = cp.cuda.Device()
     arch = int(device.compute_capability)
     failures = 0
-    for config in _configs(arch, dims, dtypes):
+    for config in _configs(arch, dims, dtypes, kinds):
         start = time.perf_counter()
         try:
             kernel = get_kernel(config, device.id)

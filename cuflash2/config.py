@@ -9,6 +9,7 @@ and never stored, so 8 buckets cover every supported head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 MAX_HEAD_DIM = 256
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -21,6 +22,10 @@ SMEM_LIMIT_BYTES = {
     87: 163 * 1024,
     89: 99 * 1024,
     90: 227 * 1024,
+    100: 227 * 1024,
+    103: 227 * 1024,
+    120: 99 * 1024,
+    121: 99 * 1024,
 }
 
 FWD, BWD, BWD_DQ, BWD_DOT, BWD_CONVERT = ("flash_fwd_kernel", "flash_bwd_kernel", "flash_bwd_dq_kernel",
@@ -107,9 +112,8 @@ def smem_limit(arch: int) -> int:
         return SMEM_LIMIT_BYTES[arch]
     if arch < 80:
         raise ValueError(f"arch: expected compute capability >= 8.0, got {arch // 10}.{arch % 10}")
-    # Newer GPUs without an entry (sm_100, sm_120, ...): data-centre parts (x0) get the A100 budget,
-    # others the consumer budget.
-    return SMEM_LIMIT_BYTES[80] if arch % 10 == 0 else SMEM_LIMIT_BYTES[86]
+    # A GPU without an entry: assume the smallest budget of the supported generations.
+    return SMEM_LIMIT_BYTES[86]
 
 
 def _large_smem(arch: int) -> bool:
@@ -150,6 +154,7 @@ _FWD_TILES_SMALL_SMEM = {
 }
 
 
+@functools.lru_cache(maxsize=4096)
 def forward_config(head_dim: int, dtype: str, causal: bool, arch: int) -> KernelConfig:
     """Tile shape for the forward kernel on compute capability `arch`."""
     _check_dtype(dtype)
@@ -185,13 +190,18 @@ class BackwardPlan:
 
 
 def _bwd_main(dtype, bucket, block_m, causal, flags, arch, max_stages=2) -> KernelConfig:
-    for stages in range(max_stages, 0, -1):
-        config = KernelConfig(BWD, dtype, bucket, block_m, 64, 4, stages, causal, flags)
-        if config.smem_bytes <= smem_limit(arch):
-            return config
+    """The preferred tile, shrunk (fewer Q/dO stages, then 32 query rows, then 2 warps = 32 keys)
+    until it fits the shared memory of `arch`."""
+    for warps in (4, 2):
+        for rows in dict.fromkeys((block_m, 32)):
+            for stages in range(max_stages, 0, -1):
+                config = KernelConfig(BWD, dtype, bucket, rows, 16 * warps, warps, stages, causal, flags)
+                if config.smem_bytes <= smem_limit(arch):
+                    return config
     raise AssertionError(f"no backward tile fits {smem_limit(arch)} B for head dim {bucket}")
 
 
+@functools.lru_cache(maxsize=4096)
 def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, deterministic: bool = False,
                   gqa: bool = False, split: bool | None = None, atomic_dq: bool | None = None) -> BackwardPlan:
     """Kernels (and tile shapes) of one backward pass.

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from cuflash2 import bench, config
-from cuflash2.config import KernelConfig, all_forward_configs, forward_config, head_dim_bucket, smem_limit
+from cuflash2.config import backward_plan, KernelConfig, all_forward_configs, forward_config, head_dim_bucket, smem_limit
 
 ARCHS = (80, 86, 89, 90)
 FWD_KERNEL = "flash_fwd_kernel"
@@ -134,10 +134,13 @@ def test_smem_limit_known_archs():
     assert smem_limit(90) == 227 * 1024
 
 
-@pytest.mark.parametrize("arch", [100, 120, 121, 103])
-def test_smem_limit_unknown_newer_archs_fall_back(arch):
-    assert smem_limit(arch) in (99 * 1024, 163 * 1024)
+@pytest.mark.parametrize("arch,limit_kb", [(100, 227), (103, 227), (120, 99), (121, 99), (110, 99), (130, 99)])
+def test_smem_limit_newer_archs(arch, limit_kb):
+    """Known newer parts get their datasheet budget; unknown ones the smallest supported budget."""
+    assert smem_limit(arch) == limit_kb * 1024
     forward_config(256, "bf16", True, arch)  # something launchable exists
+    for config in backward_plan(256, "bf16", True, arch, gqa=True).kernels():
+        assert config.smem_bytes <= smem_limit(arch)
 
 
 @pytest.mark.parametrize("arch", [0, 50, 61, 70, 75, 79])

@@ -112,11 +112,14 @@ def test_cli_compile_offline():
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines, "no output"
     for line in lines:  # one line per kernel
-        assert "regs=" in line and "sm_80" in line and "-bf16-" in line, line
+        assert "regs=" in line and "sm_80" in line and "-bf16" in line, line
         assert line.startswith("ok"), line
     forward = [line for line in lines if "fwd-bf16-d64-" in line]
     assert len(forward) == 2, result.output  # one bucket x one dtype x (full, causal)
     assert {"full", "causal"} == {re.search(r"-(full|causal)-", line).group(1) for line in forward}
+    backward = [line for line in lines if " bwd-" in line]
+    assert any("bwd-dq-bf16-d64-" in line for line in backward), result.output
+    assert any("bwd-bf16-d64-" in line and "dvdk" in line for line in backward), result.output
 
 
 def test_cli_compile_two_archs_dedups_head_dims():
