@@ -142,15 +142,17 @@ _FWD_TILES_LARGE_SMEM = {
 # Causal head dim 128 measured faster with wide key blocks and 8 warps (H200, bf16, seqlen 4k:
 # 283 vs 264 TFLOP/s for 128x32/4 warps; see BENCHMARKS.md).
 _FWD_CAUSAL_TILES_LARGE_SMEM = {128: (128, 128, 8, 2)}
+# 99 KB parts. ptxas for sm_86 allocates differently from sm_80/sm_90: head dims 128 and 256 spill
+# with the large-smem shapes, hence 8 warps for 128 and 32-key blocks for 256.
 _FWD_TILES_SMALL_SMEM = {
     32: (128, 128, 4, 2),
     64: (128, 64, 4, 2),
     96: (128, 32, 4, 2),
-    128: (128, 32, 4, 2),
+    128: (128, 64, 8, 2),
     160: (64, 64, 4, 2),
     192: (64, 64, 4, 2),
     224: (64, 64, 4, 2),
-    256: (64, 64, 4, 2),
+    256: (64, 32, 4, 2),
 }
 
 

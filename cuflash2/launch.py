@@ -62,14 +62,15 @@ def _scratch(cp, shape, dtype=np.float32, zero=False):
 def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: TensorInfo,
              dq: TensorInfo, dk: TensorInfo, dv: TensorInfo, shape: AttentionShape, causal: bool,
              deterministic: bool, device_id: int, stream, atomic_dq: bool | None = None,
-             split: bool | None = None) -> None:
-    """dq, dk, dv <- gradients. `atomic_dq`/`split` override the plan (tuning and tests only)."""
+             split: bool | None = None, arch: int | None = None) -> None:
+    """dq, dk, dv <- gradients. `atomic_dq`/`split`/`arch` (another GPU's tile table) override the
+    plan: tuning and tests only."""
     import cupy as cp
 
     b, sq, sk, h, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.head_dim
     gqa = shape.kv_group > 1
-    plan = backward_plan(d, SHORT_DTYPE[shape.dtype], causal, device_arch(device_id), deterministic, gqa, split,
-                         atomic_dq)
+    plan = backward_plan(d, SHORT_DTYPE[shape.dtype], causal, arch or device_arch(device_id), deterministic, gqa,
+                         split, atomic_dq)
     keep = []  # scratch arrays must outlive the launches that use them (stream-ordered pool)
 
     delta, delta_i = _scratch(cp, (b, h, sq))

@@ -1,0 +1,69 @@
+"""Property-based test of the public API on the CPU path: every call either computes the right
+answer or is rejected with a clear ValueError / TypeError / NotImplementedError."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+import cuflash2  # noqa: E402
+from cuflash2 import reference  # noqa: E402
+
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.int32]
+
+
+@st.composite
+def calls(draw):
+    batch = draw(st.integers(0, 2))
+    sq, sk = draw(st.integers(0, 9)), draw(st.integers(0, 9))
+    hk = draw(st.integers(1, 3))
+    h = hk * draw(st.integers(1, 2)) + draw(st.sampled_from([0, 0, 0, 1]))  # sometimes not a multiple
+    d = draw(st.sampled_from([8, 16, 40, 12, 264]))
+    dk = d if draw(st.integers(0, 5)) else d + 8  # sometimes a k/v head dim that differs from q
+    dtypes = [draw(st.sampled_from(DTYPES))] * 3
+    if draw(st.integers(0, 5)) == 0:
+        dtypes[draw(st.integers(1, 2))] = draw(st.sampled_from(DTYPES))
+    options = {"causal": draw(st.booleans())}
+    if draw(st.integers(0, 3)) == 0:
+        options["softmax_scale"] = draw(st.sampled_from([0.0, -1.0, float("nan"), float("inf"), 0.3]))
+    if draw(st.integers(0, 5)) == 0:
+        options[draw(st.sampled_from(["dropout_p", "softcap"]))] = 0.1
+    transpose_k = draw(st.integers(0, 5)) == 0  # a non-contiguous view
+    return batch, sq, sk, h, hk, d, dk, dtypes, options, transpose_k
+
+
+def _arrays(batch, sq, sk, h, hk, d, dk, dtypes, transpose_k, rng):
+    q = rng.standard_normal((batch, sq, h, d)).astype(dtypes[0])
+    k = rng.standard_normal((batch, sk, hk, dk)).astype(dtypes[1])
+    v = rng.standard_normal((batch, sk, hk, dk)).astype(dtypes[2])
+    if transpose_k:
+        k = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    return q, k, v
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls())
+def test_computed_correctly_or_rejected_clearly(call):
+    batch, sq, sk, h, hk, d, dk, dtypes, options, transpose_k = call
+    q, k, v = _arrays(batch, sq, sk, h, hk, d, dk, dtypes, transpose_k, np.random.default_rng(0))
+    try:
+        out, lse, _ = cuflash2.flash_attn_func(q, k, v, return_attn_probs=True, **options)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        message = str(exc)
+        assert ":" in message and len(message) > 20, message  # names the argument and says what is wrong
+        return
+    # accepted: it must be a valid problem and the answer must be right
+    assert batch >= 1 and sq >= 1 and d <= 256 and d % 8 == 0 and h % hk == 0
+    assert np.dtype(q.dtype).name in ("float16", "bfloat16")
+    scale = options.get("softmax_scale")
+    if sk == 0:
+        assert (out.astype(np.float32) == 0).all() and np.isposinf(lse).all()
+        return
+    ref, ref_lse = reference.attention_naive(q, k, v, softmax_scale=scale, causal=options["causal"])
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert np.abs(out.astype(np.float64) - ref).max() < 2e-2
+    finite = np.isfinite(ref_lse)
+    assert (np.isfinite(lse) == finite).all()
+    assert np.abs(np.where(finite, lse - ref_lse, 0)).max() < 1e-3
