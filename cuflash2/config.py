@@ -128,20 +128,19 @@ def _check_dtype(dtype: str) -> None:
 # ---- forward ------------------------------------------------------------------------------------
 # (block_m, block_n, warps, stages) per head-dim bucket. With 4 warps each warp owns 32 query rows
 # (two MMA row tiles share every K/V fragment read from shared memory, halving that traffic); the
-# fp32 output accumulator then costs head_dim registers, so large head dims go to 8 warps.
+# fp32 output accumulator then costs head_dim registers, so large head dims go to 8 warps. Head dim
+# 128: 128x128 with 8 warps measured as fast as 128x32 with 4 (308 TFLOP/s, H200, seqlen 4k) and
+# faster when causal (283 vs 264), and the 4-warp shape spills on sm_80 (BENCHMARKS.md).
 _FWD_TILES_LARGE_SMEM = {
     32: (128, 128, 4, 2),
     64: (128, 64, 4, 3),
     96: (128, 32, 4, 2),
-    128: (128, 32, 4, 2),
+    128: (128, 128, 8, 2),
     160: (128, 64, 8, 2),
     192: (128, 64, 8, 2),
     224: (128, 64, 8, 2),
     256: (128, 64, 8, 2),
 }
-# Causal head dim 128 measured faster with wide key blocks and 8 warps (H200, bf16, seqlen 4k:
-# 283 vs 264 TFLOP/s for 128x32/4 warps; see BENCHMARKS.md).
-_FWD_CAUSAL_TILES_LARGE_SMEM = {128: (128, 128, 8, 2)}
 # 99 KB parts. ptxas for sm_86 allocates differently from sm_80/sm_90: head dims 128 and 256 spill
 # with the large-smem shapes, hence 8 warps for 128 and 32-key blocks for 256.
 _FWD_TILES_SMALL_SMEM = {
@@ -161,11 +160,8 @@ def forward_config(head_dim: int, dtype: str, causal: bool, arch: int) -> Kernel
     """Tile shape for the forward kernel on compute capability `arch`."""
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
-    if _large_smem(arch):
-        tiles = (_FWD_CAUSAL_TILES_LARGE_SMEM if causal else {}).get(bucket) or _FWD_TILES_LARGE_SMEM[bucket]
-    else:
-        tiles = _FWD_TILES_SMALL_SMEM[bucket]
-    block_m, block_n, warps, stages = tiles
+    table = _FWD_TILES_LARGE_SMEM if _large_smem(arch) else _FWD_TILES_SMALL_SMEM
+    block_m, block_n, warps, stages = table[bucket]
     config = KernelConfig(FWD, dtype, bucket, block_m, block_n, warps, stages, bool(causal))
     assert config.smem_bytes <= smem_limit(arch), f"{config.short_id()} needs {config.smem_bytes} B"
     return config
