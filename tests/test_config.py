@@ -139,8 +139,8 @@ def test_smem_limit_newer_archs(arch, limit_kb):
     """Known newer parts get their datasheet budget; unknown ones the smallest supported budget."""
     assert smem_limit(arch) == limit_kb * 1024
     forward_config(256, "bf16", True, arch)  # something launchable exists
-    for config in backward_plan(256, "bf16", True, arch, gqa=True).kernels():
-        assert config.smem_bytes <= smem_limit(arch)
+    for kernel in backward_plan(256, "bf16", True, arch, gqa=True).kernels():
+        assert kernel.smem_bytes <= smem_limit(arch)
 
 
 @pytest.mark.parametrize("arch", [0, 50, 61, 70, 75, 79])

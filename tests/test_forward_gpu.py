@@ -1,6 +1,5 @@
 """Forward kernel on the GPU against fp32 references, with FA2's tolerance rule."""
 
-import itertools
 
 import ml_dtypes
 import numpy as np
