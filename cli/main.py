@@ -6,6 +6,7 @@ import sys
 
 import click
 
+import cuflash2
 from cuflash2 import config as cfg
 
 from .bench_cmd import bench_command
@@ -33,7 +34,7 @@ def _parse_archs(text: str) -> list[int]:
 
 
 @click.group()
-@click.version_option(package_name="cuflash2", message="%(version)s")
+@click.version_option(version=cuflash2.__version__, message="%(version)s")
 def main() -> None:
     """cuflash2: FlashAttention-2 kernels compiled at run time by NVRTC."""
 

@@ -90,8 +90,6 @@ def _distribution_installed():
 
 # cli/main.py reads the version from installed distribution metadata (click.version_option(package_name=...)),
 # so `--version` fails from a plain checkout; version=cuflash2.__version__ would work everywhere.
-@pytest.mark.xfail(not _distribution_installed(), raises=RuntimeError, strict=False,
-                   reason="cuflash2 not pip-installed: cli --version needs distribution metadata")
 def test_cli_version():
     result = run_cli("--version")
     assert result.exit_code == 0
