@@ -28,8 +28,8 @@ def import_cupy():
     return cupy
 
 
-def framework_of(x) -> str:
-    """'numpy', 'cupy', 'torch', 'jax' or 'dlpack' (another CUDA producer)."""
+def framework_of(x, name: str = "q") -> str:
+    """'numpy', 'cupy', 'torch', 'jax' or 'dlpack' (another CUDA producer) for argument `name`."""
     if isinstance(x, np.ndarray):
         return "numpy"
     root = type(x).__module__.split(".")[0]
@@ -41,7 +41,8 @@ def framework_of(x) -> str:
         return "jax"
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         return "dlpack"
-    raise TypeError(f"expected a NumPy/CuPy array or a CUDA tensor with __dlpack__, got {type(x).__name__}")
+    raise TypeError(f"{name}: expected a NumPy/CuPy array or a CUDA tensor with __dlpack__, "
+                    f"got {type(x).__name__}")
 
 
 def describe(name: str, x) -> TensorInfo:
