@@ -56,6 +56,23 @@ CF_DEVICE void acc_to_a_frag(u32 (&a)[4], const float (&c)[KT][4], int ks) {
     a[3] = T::pack(c[2 * ks + 1][2], c[2 * ks + 1][3]);
 }
 
+// One k-step of acc[MT][NT] += A * B for A fragments in registers and B (16 x NT*8, row-major in
+// smem, rows from 16 * ks, columns from chunk b_chunk0) read with ldmatrix.trans.
+template <class T, int MT, int NT, class BTile>
+CF_DEVICE void mma_row_major_b(float (&acc)[MT][NT][4], const u32 (&a)[MT][4], const LdsmCursor<BTile>& b_cur,
+                               int ks, int b_chunk0) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+        u32 b[4];  // {b0, b1} of tile 2np, then of tile 2np + 1
+        ldmatrix_x4_trans(b_cur.at(ks * 16, b_chunk0 + 2 * np), b);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            T::mma(acc[mt][2 * np], a[mt], b[0], b[1]);
+            T::mma(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+    }
+}
+
 // acc[MT][NT] += A * B with A in registers (fp32 accumulators, MT x KT 8-wide tiles, rounded to T)
 // and B (KT*8 x NT*8) row-major in smem, read with ldmatrix.trans. B columns start at chunk b_chunk0.
 template <class T, int MT, int KT, int NT, class BTile>
@@ -67,16 +84,7 @@ CF_DEVICE void gemm_rs(float (&acc)[MT][NT][4], const float (&a_acc)[MT][KT][4],
         u32 a[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) acc_to_a_frag<T, KT>(a[mt], a_acc[mt], ks);
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-            u32 b[4];
-            ldmatrix_x4_trans(b_cur.at(ks * 16, b_chunk0 + 2 * np), b);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                T::mma(acc[mt][2 * np], a[mt], b[0], b[1]);
-                T::mma(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-            }
-        }
+        mma_row_major_b<T>(acc, a, b_cur, ks, b_chunk0);
     }
 }
 
@@ -94,15 +102,6 @@ CF_DEVICE void gemm_atb(float (&acc)[MT][NT][4], const LdsmCursor<ATile>& at_cur
             ldmatrix_x4_trans(at_cur.at(ks * 16, a_chunk0 + 2 * mt), r);
             a[mt][0] = r[0]; a[mt][1] = r[1]; a[mt][2] = r[2]; a[mt][3] = r[3];
         }
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-            u32 b[4];
-            ldmatrix_x4_trans(b_cur.at(ks * 16, b_chunk0 + 2 * np), b);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                T::mma(acc[mt][2 * np], a[mt], b[0], b[1]);
-                T::mma(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-            }
-        }
+        mma_row_major_b<T>(acc, a, b_cur, ks, b_chunk0);
     }
 }
