@@ -11,11 +11,24 @@ import pathlib as _pathlib
 # the same way in both cases.
 _checkout = _pathlib.Path(__file__).resolve().parent.parent
 if (_checkout / "cli").is_dir() and not (_pathlib.Path(__file__).parent / "cli").is_dir():
-    __path__.append(str(_checkout))  # noqa: F821 - package __path__
+    __path__.append(str(_checkout))
 
-from .api import (attention_probs, flash_attn_forward, flash_attn_func, flash_attn_kvpacked_func,  # noqa: E402
-                  flash_attn_qkvpacked_func)
-from .backward import flash_attn_backward  # noqa: E402
+from .api import (
+    attention_probs,
+    flash_attn_forward,
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+)
+from .backward import flash_attn_backward
+from .varlen import (
+    flash_attn_varlen_backward,
+    flash_attn_varlen_forward,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    varlen_attention_probs,
+)
 
 __version__ = "0.1.0"
 
@@ -26,4 +39,10 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_backward",
+    "flash_attn_varlen_forward",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "varlen_attention_probs",
 ]

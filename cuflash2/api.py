@@ -12,7 +12,15 @@ import math
 import numpy as np
 
 from . import interop, launch, reference
-from .validate import AttentionShape, check_unsupported_options, validate_out, validate_qkv
+from .features import (
+    PLAIN,
+    Features,
+    check_alibi,
+    check_dropout,
+    check_softcap,
+    check_window,
+)
+from .validate import AttentionShape, validate_out, validate_qkv
 
 _MAX_GRID_YZ = 65535
 
@@ -22,29 +30,36 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """Exact attention softmax(scale * q k^T) v, FlashAttention-2 style.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), fp16 or bf16,
-    nheads % nheads_kv == 0 (GQA/MQA). causal masks are aligned to the bottom-right corner.
+    nheads % nheads_kv == 0 (GQA/MQA). Masks are aligned to the bottom-right corner: query i sees
+    key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, with
+    window_size = (left, right) (-1 = unbounded) and causal meaning right = 0.
+    softcap > 0: logits become softcap * tanh(scale * q.k / softcap). alibi_slopes: fp32 (nheads,)
+    or (batch, nheads); adds -slope * |i + seqlen_k - seqlen_q - j| to the logits.
     Returns out (same shape and type as q), or (out, softmax_lse, attn_probs) when return_attn_probs:
     softmax_lse is fp32 (batch, nheads, seqlen_q), natural log; attn_probs (batch, nheads, seqlen_q,
     seqlen_k) fp32 is materialised in full and meant for testing only.
     """
-    check_unsupported_options(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-                              alibi_slopes=alibi_slopes)
+    check_dropout(dropout_p)
+    window, softcap = check_window(window_size), check_softcap(softcap)
     framework = interop.framework_of(q)
     if framework == "torch":  # differentiable torch.library custom op
         from . import torch_ops
 
-        out, lse = torch_ops.forward(q, k, v, softmax_scale, causal, deterministic, out)
+        out, lse = torch_ops.forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+                                     out)
     elif framework == "jax":  # differentiable, jit-able (custom_vjp over buffer_callback)
         from . import jax_ops
 
         if out is not None:
             raise TypeError("out: JAX arrays are immutable; out= is not supported with JAX inputs")
-        out, lse = jax_ops.forward(q, k, v, softmax_scale, causal, deterministic)
+        out, lse = jax_ops.forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic)
     else:
-        out, lse = flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out)
+        out, lse = flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window,
+                                      softcap=softcap, alibi_slopes=alibi_slopes, out=out)
     if not return_attn_probs:
         return out
-    return out, lse, attention_probs(q, k, lse, softmax_scale=softmax_scale, causal=causal)
+    return out, lse, attention_probs(q, k, lse, softmax_scale=softmax_scale, causal=causal, window_size=window,
+                                     softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -71,30 +86,46 @@ def _check_packed(name: str, x, parts: int) -> None:
         raise ValueError(f"{name}: expected shape (batch, seqlen, {parts}, nheads, headdim), got {shape}")
 
 
-def flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None):
+def flash_attn_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, out=None):
     """Forward pass returning (out, softmax_lse); the building block of the public functions."""
+    window, softcap = check_window(window_size), check_softcap(softcap)
     if interop.framework_of(q) == "numpy":
-        return _forward_numpy(q, k, v, softmax_scale, causal, out)
+        return _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, out)
     with interop.gpu_call(q) as call:
         shape, infos = _validated_inputs(call, q, k, v, softmax_scale)
+        features = gpu_features(call, shape, infos[0].device, window, softcap, alibi_slopes)
         out_array, out_info = _output(call, out, shape, infos[0], q)
         lse, lse_info = call.empty((shape.batch, shape.nheads, shape.seqlen_q), "float32")
-        _forward(call, infos, out_info, lse_info, shape, causal)
+        _forward(call, infos, out_info, lse_info, shape, causal, features)
         return (out if out is not None else call.result(out_array)), call.result(lse)
 
 
-def forward_into(q, k, v, out, softmax_lse, softmax_scale=None, causal=False) -> None:
+def gpu_features(call, shape: AttentionShape, device: str, window, softcap, alibi_slopes, **varlen) -> Features:
+    """Validated Features of a GPU call (window and softcap already checked)."""
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = call.tensor("alibi_slopes", alibi_slopes)
+        check_alibi(alibi, shape.batch, shape.nheads, device)
+    features = Features(window[0], window[1], softcap, alibi, **varlen)
+    return features
+
+
+def forward_into(q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                 alibi_slopes=None) -> None:
     """Forward pass writing into caller-allocated out and softmax_lse (GPU arrays of any framework)."""
+    window, softcap = check_window(window_size), check_softcap(softcap)
     with interop.gpu_call(q) as call:
         shape, infos = _validated_inputs(call, q, k, v, softmax_scale)
+        features = gpu_features(call, shape, infos[0].device, window, softcap, alibi_slopes)
         _, out_info = _output(call, out, shape, infos[0], q)
         lse_info = call.tensor("softmax_lse", softmax_lse)
         expected = (shape.batch, shape.nheads, shape.seqlen_q)
-        if lse_info.shape != expected or lse_info.dtype != "float32" or lse_info.strides != (
-                shape.nheads * shape.seqlen_q, shape.seqlen_q, 1):
+        if lse_info.shape != expected or lse_info.dtype != "float32" or (all(expected) and lse_info.strides != (
+                shape.nheads * shape.seqlen_q, shape.seqlen_q, 1)):
             raise ValueError(f"softmax_lse: expected a contiguous float32 array of shape {expected}, "
                              f"got {lse_info.dtype} {lse_info.shape}")
-        _forward(call, infos, out_info, lse_info, shape, causal)
+        _forward(call, infos, out_info, lse_info, shape, causal, features)
 
 
 def _validated_inputs(call, q, k, v, softmax_scale):
@@ -113,17 +144,21 @@ def _output(call, out, shape: AttentionShape, q_info, q):
     return out, info
 
 
-def _forward(call, infos, out_info, lse_info, shape: AttentionShape, causal: bool) -> None:
+def _forward(call, infos, out_info, lse_info, shape: AttentionShape, causal: bool, features: Features = PLAIN) -> None:
+    if shape.batch == 0 or shape.seqlen_q == 0:  # empty output, nothing to compute
+        return
     if shape.seqlen_k == 0:  # FA2: no keys -> output 0, LSE +inf
         _fill(call, out_info, 0)
         _fill(call, lse_info, np.inf)
         return
-    launch.forward(*infos, out_info, lse_info, shape, causal, call.device_id, call.stream)
+    launch.forward(*infos, out_info, lse_info, shape, causal, call.device_id, call.stream, features=features)
 
 
 def _fill(call, info, value) -> None:
     """Fill a described device tensor (rare paths only: wraps it as a CuPy array)."""
     cp = interop.import_cupy()
+    if not all(info.shape):
+        return
     itemsize = info.itemsize
     extent = 1 + sum((n - 1) * s for n, s in zip(info.shape, info.strides)) if all(info.shape) else 0
     memory = cp.cuda.UnownedMemory(info.data_ptr, extent * itemsize, owner=None, device_id=call.device_id)
@@ -139,18 +174,20 @@ def _check_grid(shape: AttentionShape) -> None:
             raise ValueError(f"q: expected {name} <= {_MAX_GRID_YZ}, got {value}")
 
 
-def _forward_numpy(q, k, v, softmax_scale, causal, out):
+def _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, out):
     """CPU path: the NumPy tiled reference (slow; for CPU use and tests)."""
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{name}: expected a NumPy array like q, got {type(x).__name__}")
     shape = validate_qkv(*(interop.describe(n, x) for n, x in (("q", q), ("k", k), ("v", v))), softmax_scale,
                          check_pointers=False)
-    if shape.seqlen_k == 0:
+    slopes = numpy_alibi(alibi_slopes, shape)
+    if shape.seqlen_k == 0 or shape.batch == 0 or shape.seqlen_q == 0:
         result = np.zeros(q.shape, dtype=q.dtype)
         lse = np.full((shape.batch, shape.nheads, shape.seqlen_q), np.inf, dtype=np.float32)
     else:
         o32, lse = reference.attention_tiled(q, k, v, softmax_scale=shape.softmax_scale, causal=causal,
+                                             window_size=window, softcap=softcap, alibi_slopes=slopes,
                                              p_dtype=q.dtype)
         result = o32.astype(q.dtype)
     if out is not None:
@@ -162,24 +199,50 @@ def _forward_numpy(q, k, v, softmax_scale, causal, out):
     return result, lse.astype(np.float32)
 
 
-def attention_probs(q, k, softmax_lse, softmax_scale=None, causal=False):
-    """softmax(scale * q k^T) as fp32 (batch, nheads, seqlen_q, seqlen_k), rebuilt from the LSE.
+def numpy_alibi(alibi_slopes, shape: AttentionShape):
+    """Validated host ALiBi slopes for the NumPy path (None when off)."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, np.ndarray):
+        raise TypeError(f"alibi_slopes: expected a NumPy array like q, got {type(alibi_slopes).__name__}")
+    check_alibi(interop.describe("alibi_slopes", alibi_slopes), shape.batch, shape.nheads, "cpu")
+    return alibi_slopes
+
+
+def attention_probs(q, k, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None):
+    """softmax of the (masked, softcapped, ALiBi-biased) logits as fp32 (batch, nheads, seqlen_q,
+    seqlen_k), rebuilt from the LSE.
 
     Materialises the full matrix: for tests and debugging only.
     """
+    window, softcap = check_window(window_size), check_softcap(softcap)
     if interop.framework_of(q) == "numpy":
-        return _probs(np, q, k, softmax_lse, softmax_scale, causal)
+        return _probs(np, q, k, softmax_lse, softmax_scale, causal, window, softcap, alibi_slopes)
     with interop.gpu_call(q) as call:
         qa, ka, la = (call.to_cupy(n, x) for n, x in (("q", q), ("k", k), ("softmax_lse", softmax_lse)))
-        return call.result(_probs(interop.import_cupy(), qa, ka, la, softmax_scale, causal))
+        slopes = None if alibi_slopes is None else call.to_cupy("alibi_slopes", alibi_slopes)
+        return call.result(_probs(interop.import_cupy(), qa, ka, la, softmax_scale, causal, window, softcap,
+                                  slopes))
 
 
-def _probs(xp, q, k, lse, softmax_scale, causal):
+def _probs(xp, q, k, lse, softmax_scale, causal, window=(-1, -1), softcap=0.0, slopes=None):
     head_dim, sq, sk = q.shape[-1], q.shape[1], k.shape[1]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     kf = xp.repeat(interop.as_float32(xp, k), q.shape[2] // k.shape[2], axis=2)
     logits = xp.einsum("bqhd,bkhd->bhqk", interop.as_float32(xp, q), kf) * scale
-    if causal:
-        visible = xp.arange(sk)[None, :] <= xp.arange(sq)[:, None] + (sk - sq)
-        logits = xp.where(visible, logits, -xp.inf)
+    if softcap > 0:
+        logits = softcap * xp.tanh(logits / softcap)
+    distance = xp.arange(sk)[None, :] - (xp.arange(sq)[:, None] + (sk - sq))  # j - (i + shift)
+    if slopes is not None:
+        slopes = xp.broadcast_to(xp.asarray(slopes, dtype=xp.float32).reshape(-1, q.shape[2]), (q.shape[0], q.shape[2]))
+        logits = logits - slopes[:, :, None, None] * xp.abs(distance).astype(xp.float32)
+    left, right = window
+    right = 0 if causal else right
+    visible = xp.ones((sq, sk), dtype=bool)
+    if right >= 0:
+        visible &= distance <= right
+    if left >= 0:
+        visible &= distance >= -left
+    logits = xp.where(visible, logits, -xp.inf)
     return xp.exp(logits - lse[..., None]).astype(xp.float32)

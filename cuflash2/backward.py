@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import interop, launch, reference
-from .api import _check_grid, _fill
-from .validate import AttentionShape, check_alignment, check_unsupported_options, validate_qkv
+from .api import _check_grid, _fill, gpu_features, numpy_alibi
+from .features import check_softcap, check_window
+from .validate import AttentionShape, check_alignment, validate_qkv
 
 
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -21,13 +22,15 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
     dout, out: (batch, seqlen_q, nheads, headdim) like q; softmax_lse: fp32 (batch, nheads, seqlen_q)
     as returned by flash_attn_forward. dq/dk/dv may be given to receive the results.
     """
-    check_unsupported_options(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    window, softcap = check_window(window_size), check_softcap(softcap)
     if interop.framework_of(q) == "numpy":
-        return _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, dq, dk, dv)
+        return _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window, softcap, alibi_slopes,
+                               dq, dk, dv)
     with interop.gpu_call(q) as call:
         q_i, k_i, v_i = (call.tensor(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
         shape = validate_qkv(q_i, k_i, v_i, softmax_scale)
         _check_grid(shape)
+        features = gpu_features(call, shape, q_i.device, window, softcap, alibi_slopes)
         do_i, out_i, lse_i = (call.tensor(n, x) for n, x in (("dout", dout), ("out", out), ("softmax_lse", softmax_lse)))
         _check_like("dout", do_i, q_i)
         _check_like("out", out_i, q_i)
@@ -44,12 +47,12 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
                 check_alignment(name, info)
             arrays.append(array)
             infos.append(info)
-        if shape.seqlen_k == 0:
+        if shape.seqlen_k == 0 or shape.seqlen_q == 0 or shape.batch == 0:  # no query sees a key: zero gradients
             for info in infos:
                 _fill(call, info, 0)
         else:
             launch.backward(do_i, q_i, k_i, v_i, out_i, lse_i, *infos, shape, causal, deterministic, call.device_id,
-                            call.stream)
+                            call.stream, features=features)
         return tuple(call.result(a) for a in arrays)
 
 
@@ -70,11 +73,11 @@ def _check_lse(info, shape: AttentionShape) -> None:
         raise ValueError(f"softmax_lse: expected shape {expected}, got {tuple(info.shape)}")
     if info.dtype != "float32":
         raise TypeError(f"softmax_lse: expected dtype float32, got {info.dtype}")
-    if info.strides != (shape.nheads * shape.seqlen_q, shape.seqlen_q, 1):
+    if all(info.shape) and info.strides != (shape.nheads * shape.seqlen_q, shape.seqlen_q, 1):
         raise ValueError(f"softmax_lse: expected a contiguous array, got strides {info.strides}")
 
 
-def _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, dq, dk, dv):
+def _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window, softcap, alibi_slopes, dq, dk, dv):
     """CPU path: the NumPy tiled reference backward (slow; for CPU use and tests)."""
     arrays = {"dout": dout, "k": k, "v": v, "out": out, "softmax_lse": softmax_lse}
     for name, x in arrays.items():
@@ -85,11 +88,12 @@ def _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, dq, 
     _check_like("dout", interop.describe("dout", dout), interop.describe("q", q))
     _check_like("out", interop.describe("out", out), interop.describe("q", q))
     _check_lse(interop.describe("softmax_lse", softmax_lse), shape)
-    if shape.seqlen_k == 0:
+    if shape.seqlen_k == 0 or shape.seqlen_q == 0 or shape.batch == 0:
         grads = tuple(np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
     else:
         grads = reference.attention_backward_tiled(dout, q, k, v, out, softmax_lse, softmax_scale=shape.softmax_scale,
-                                                   causal=causal)
+                                                   causal=causal, window_size=window, softcap=softcap,
+                                                   alibi_slopes=numpy_alibi(alibi_slopes, shape))
         grads = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
     result = []
     for name, given, g in (("dq", dq, grads[0]), ("dk", dk, grads[1]), ("dv", dv, grads[2])):

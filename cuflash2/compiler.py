@@ -90,6 +90,25 @@ def get_kernel(config: KernelConfig, device_id: int):
     return kernel
 
 
+def local_report(item: tuple[KernelConfig, int]) -> tuple[str, bool]:
+    """Compile one config for a local GPU (filling the disk cache); (report line, ok). A worker of
+    `cuflash2 compile --jobs`, so it takes one picklable argument."""
+    import time
+
+    config, device_id = item
+    start = time.perf_counter()
+    try:
+        import cupy
+
+        arch = cupy.cuda.Device(device_id).compute_capability
+        attrs = get_kernel(config, device_id).attributes
+    except Exception as exc:  # report and go on: one bad kernel should not hide the others
+        return f"ERROR {config.short_id()}: {exc}", False
+    ok = attrs["local_size_bytes"] == 0
+    return (f"{'ok   ' if ok else 'SPILL'} sm_{arch} {config.short_id():44s} regs={attrs['num_regs']:3d} "
+            f"smem={config.smem_bytes:6d} local={attrs['local_size_bytes']} ({time.perf_counter() - start:.1f}s)"), ok
+
+
 # --------------------------------------------------------------------------------------------
 # Offline compilation (no GPU needed): NVRTC straight, with ptxas' resource report
 # --------------------------------------------------------------------------------------------
@@ -163,3 +182,8 @@ def compile_offline(config: KernelConfig, arch: str) -> CompileReport:
         nvrtc.destroyProgram(program)
     return CompileReport(config=config, arch=arch, smem_bytes=config.smem_bytes,
                          seconds=time.perf_counter() - start, error=error, **stats)
+
+
+def offline_report(item: tuple[KernelConfig, str]) -> CompileReport:
+    """compile_offline with one picklable argument (a worker of `cuflash2 compile --jobs`)."""
+    return compile_offline(*item)

@@ -40,6 +40,8 @@ class KernelConfig:
     """One kernel instantiation.
 
     `flags` holds the backward kernel's (dv, dk, dq, float_dkv) switches; unused fields are 0.
+    `variant` selects the kernels with FA2's optional features (varlen, sliding window, softcap,
+    ALiBi) as run-time parameters; plain calls use the kernels without them.
     """
 
     kernel: str
@@ -51,6 +53,7 @@ class KernelConfig:
     stages: int = 0
     causal: bool = False
     flags: tuple[bool, ...] = ()
+    variant: bool = False
 
     @property
     def threads(self) -> int:
@@ -73,10 +76,10 @@ class KernelConfig:
         def cpp(*values):
             return ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in values)
 
-        t, d, m, n, w, s, c = (_CPP_TYPE[self.dtype], self.head_dim, self.block_m, self.block_n, self.warps,
-                               self.stages, self.causal)
-        args = {FWD: cpp(t, d, m, n, w, s, c), BWD: cpp(t, d, m, n, w, s, c, *self.flags),
-                BWD_DQ: cpp(t, d, m, n, w, c), BWD_DOT: cpp(t, d), BWD_CONVERT: cpp(t)}[self.kernel]
+        t, d, m, n, w, s, c, var = (_CPP_TYPE[self.dtype], self.head_dim, self.block_m, self.block_n, self.warps,
+                                    self.stages, self.causal, self.variant)
+        args = {FWD: cpp(t, d, m, n, w, s, c, var), BWD: cpp(t, d, m, n, w, s, c, var, *self.flags),
+                BWD_DQ: cpp(t, d, m, n, w, c, var), BWD_DOT: cpp(t, d), BWD_CONVERT: cpp(t)}[self.kernel]
         return f"{self.kernel}<{args}>"
 
     def short_id(self) -> str:
@@ -86,6 +89,8 @@ class KernelConfig:
             parts.append(f"d{self.head_dim}")
         if self.block_m:
             parts.append("causal" if self.causal else "full")
+            if self.variant:
+                parts.append("var")
             parts.append(f"m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}")
         if self.flags:
             parts.append("".join(name for name, on in zip(("dv", "dk", "dq", "f32"), self.flags) if on))
@@ -144,6 +149,9 @@ _FWD_TILES_LARGE_SMEM = {
 # Causal head dim 256: the 128x64 / 8-warp tile (265 TFLOP/s) spills 8 bytes on sm_90 (an extra
 # live mask index), so causal calls use 32-key blocks (228 TFLOP/s, H200, seqlen 4k).
 _FWD_CAUSAL_TILES_LARGE_SMEM = {256: (128, 32, 8, 2)}
+# Variant kernels (window / softcap / ALiBi / varlen) keep a few more values live per element: the
+# 64-key tiles of head dims 224 and 256 spill there, 32-key blocks do not.
+_FWD_VARIANT_TILES_LARGE_SMEM = {224: (128, 32, 8, 2), 256: (128, 32, 8, 2)}
 # 99 KB parts. ptxas for sm_86 allocates differently from sm_80/sm_90: head dims 128 and 256 spill
 # with the large-smem shapes, hence 8 warps for 128 and 32-key blocks for 256.
 _FWD_TILES_SMALL_SMEM = {
@@ -156,19 +164,22 @@ _FWD_TILES_SMALL_SMEM = {
     224: (64, 64, 4, 2),
     256: (64, 32, 4, 2),
 }
+_FWD_VARIANT_TILES_SMALL_SMEM = {224: (64, 32, 4, 2)}  # 64x64 spills 4 bytes on sm_86
 
 
 @functools.lru_cache(maxsize=4096)
-def forward_config(head_dim: int, dtype: str, causal: bool, arch: int) -> KernelConfig:
-    """Tile shape for the forward kernel on compute capability `arch`."""
+def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool = False) -> KernelConfig:
+    """Tile shape for the forward kernel on compute capability `arch` (`variant`: the kernel with
+    varlen / window / softcap / ALiBi support)."""
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
     if _large_smem(arch):
-        tiles = (_FWD_CAUSAL_TILES_LARGE_SMEM.get(bucket) if causal else None) or _FWD_TILES_LARGE_SMEM[bucket]
+        tiles = ((_FWD_VARIANT_TILES_LARGE_SMEM.get(bucket) if variant else None)
+                 or (_FWD_CAUSAL_TILES_LARGE_SMEM.get(bucket) if causal else None) or _FWD_TILES_LARGE_SMEM[bucket])
     else:
-        tiles = _FWD_TILES_SMALL_SMEM[bucket]
+        tiles = (_FWD_VARIANT_TILES_SMALL_SMEM.get(bucket) if variant else None) or _FWD_TILES_SMALL_SMEM[bucket]
     block_m, block_n, warps, stages = tiles
-    config = KernelConfig(FWD, dtype, bucket, block_m, block_n, warps, stages, bool(causal))
+    config = KernelConfig(FWD, dtype, bucket, block_m, block_n, warps, stages, bool(causal), variant=bool(variant))
     assert config.smem_bytes <= smem_limit(arch), f"{config.short_id()} needs {config.smem_bytes} B"
     return config
 
@@ -193,13 +204,13 @@ class BackwardPlan:
         return (self.dot, *self.main, *((self.dq,) if self.dq else ()), self.convert)
 
 
-def _bwd_main(dtype, bucket, block_m, causal, flags, arch, max_stages=2) -> KernelConfig:
+def _bwd_main(dtype, bucket, block_m, causal, variant, flags, arch, max_stages=2) -> KernelConfig:
     """The preferred tile, shrunk (fewer Q/dO stages, then 32 query rows, then 2 warps = 32 keys)
     until it fits the shared memory of `arch`."""
     for warps in (4, 2):
         for rows in dict.fromkeys((block_m, 32)):
             for stages in range(max_stages, 0, -1):
-                config = KernelConfig(BWD, dtype, bucket, rows, 16 * warps, warps, stages, causal, flags)
+                config = KernelConfig(BWD, dtype, bucket, rows, 16 * warps, warps, stages, causal, flags, variant)
                 if config.smem_bytes <= smem_limit(arch):
                     return config
     raise AssertionError(f"no backward tile fits {smem_limit(arch)} B for head dim {bucket}")
@@ -207,17 +218,19 @@ def _bwd_main(dtype, bucket, block_m, causal, flags, arch, max_stages=2) -> Kern
 
 @functools.lru_cache(maxsize=4096)
 def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, deterministic: bool = False,
-                  gqa: bool = False, split: bool | None = None, atomic_dq: bool | None = None) -> BackwardPlan:
+                  gqa: bool = False, split: bool | None = None, atomic_dq: bool | None = None,
+                  variant: bool = False) -> BackwardPlan:
     """Kernels (and tile shapes) of one backward pass.
 
     gqa: dK/dV are accumulated per query head in fp32 and summed over each group afterwards.
     split: produce dV and (dK, dQ) in two launches (default: only above head dim 128).
     atomic_dq: accumulate dQ with fp32 atomics inside the main kernel instead of running the dQ
     kernel. Off by default: the dQ kernel is deterministic and was faster on the H200 (bench record).
+    variant: the kernels with varlen / window / softcap / ALiBi support.
     """
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
-    causal = bool(causal)
+    causal, variant = bool(causal), bool(variant)
     if deterministic and atomic_dq:
         raise ValueError("atomic_dq: fp32 atomics cannot be deterministic")
     atomic_dq = bool(atomic_dq)
@@ -227,15 +240,16 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
         # 64 query rows per step up to head dim 64; above, 32 rows and a single Q/dO stage keep the
         # dK, dV and dQ accumulators within 255 registers without spilling.
         block_m, stages = (64, 2) if bucket <= 64 else (32, 1)
-        main = (_bwd_main(dtype, bucket, block_m, causal, (True, True, atomic_dq, gqa), arch, stages),)
+        main = (_bwd_main(dtype, bucket, block_m, causal, variant, (True, True, atomic_dq, gqa), arch, stages),)
     else:
         dk_block_m, dk_stages = (64, 2) if bucket <= 128 else (32, 1)
-        main = (_bwd_main(dtype, bucket, 64, causal, (True, False, False, gqa), arch),
-                _bwd_main(dtype, bucket, dk_block_m, causal, (False, True, atomic_dq, gqa), arch, dk_stages))
+        dv_block_m = 32 if variant and bucket > 224 else 64  # the variant dV kernel spills at 64 rows
+        main = (_bwd_main(dtype, bucket, dv_block_m, causal, variant, (True, False, False, gqa), arch),
+                _bwd_main(dtype, bucket, dk_block_m, causal, variant, (False, True, atomic_dq, gqa), arch, dk_stages))
     dq = None
     if not atomic_dq:
         block_n = 64 if bucket <= 128 else 32
-        dq = KernelConfig(BWD_DQ, dtype, bucket, 64, block_n, 4, 0, causal)
+        dq = KernelConfig(BWD_DQ, dtype, bucket, 64, block_n, 4, 0, causal, variant=variant)
         assert dq.smem_bytes <= smem_limit(arch)
     return BackwardPlan(KernelConfig(BWD_DOT, dtype, bucket, warps=8), main, dq,
                         KernelConfig(BWD_CONVERT, dtype, warps=8))
@@ -245,19 +259,21 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
 
 def all_forward_configs(arch: int) -> list[KernelConfig]:
     """Every forward instantiation the library can launch on `arch`."""
-    return [forward_config(bucket, dtype, causal, arch)
-            for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)]
+    return [forward_config(bucket, dtype, causal, arch, variant)
+            for variant in (False, True) for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)]
 
 
 def all_backward_configs(arch: int) -> list[KernelConfig]:
-    """Every backward instantiation (all plans: deterministic or not, MHA or GQA)."""
+    """Every backward instantiation (all plans: deterministic or not, MHA or GQA, plain or variant;
+    the variant kernels serve only the default dQ-kernel plan)."""
     configs: dict[KernelConfig, None] = {}
     for bucket in HEAD_DIM_BUCKETS:
         for dtype in DTYPES:
             for causal in (False, True):
-                for atomic_dq in (False, True):
+                for atomic_dq, variant in ((False, False), (True, False), (False, True)):
                     for gqa in (False, True):
-                        plan = backward_plan(bucket, dtype, causal, arch, gqa=gqa, atomic_dq=atomic_dq)
+                        plan = backward_plan(bucket, dtype, causal, arch, gqa=gqa, atomic_dq=atomic_dq,
+                                             variant=variant)
                         for config in plan.kernels():
                             configs[config] = None
     return list(configs)

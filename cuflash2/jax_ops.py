@@ -16,6 +16,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import interop, launch
+from .features import Features, check_alibi
 from .validate import AttentionShape, TensorInfo, validate_qkv
 
 
@@ -52,7 +53,14 @@ def _device_and_stream(ctx, ptr: int):
     return device_id, interop.external_stream(cp, ctx.stream, device_id)
 
 
-def _forward_callback(ctx, outputs, q, k, v, *, shape: AttentionShape, causal: bool):
+def _features(options, alibi) -> Features:
+    """Features of a call; `alibi` is the slopes' XLA buffer (a zero-size dummy when off)."""
+    window, softcap, alibi_shape = options
+    info = None if alibi_shape is None else _buffer_info(alibi, alibi_shape, np.float32)
+    return Features(window[0], window[1], softcap, info)
+
+
+def _forward_callback(ctx, outputs, q, k, v, alibi, *, shape: AttentionShape, causal: bool, options):
     out, lse = outputs
     q_shape, k_shape, v_shape, lse_shape = _layouts(shape)
     dtype = _element_type(shape)
@@ -61,11 +69,11 @@ def _forward_callback(ctx, outputs, q, k, v, *, shape: AttentionShape, causal: b
     device_id, stream = _device_and_stream(ctx, infos[0].data_ptr)
     cp = interop.import_cupy()
     with cp.cuda.Device(device_id), stream:
-        launch.forward(*infos, lse_info, shape, causal, device_id, stream)
+        launch.forward(*infos, lse_info, shape, causal, device_id, stream, features=_features(options, alibi))
 
 
-def _backward_callback(ctx, grads, dout, q, k, v, out, lse, *, shape: AttentionShape, causal: bool,
-                       deterministic: bool):
+def _backward_callback(ctx, grads, dout, q, k, v, out, lse, alibi, *, shape: AttentionShape, causal: bool,
+                       deterministic: bool, options):
     q_shape, k_shape, v_shape, lse_shape = _layouts(shape)
     dtype = _element_type(shape)
     tensors = [_buffer_info(b, s, dtype) for b, s in
@@ -75,7 +83,8 @@ def _backward_callback(ctx, grads, dout, q, k, v, out, lse, *, shape: AttentionS
     device_id, stream = _device_and_stream(ctx, tensors[1].data_ptr)
     cp = interop.import_cupy()
     with cp.cuda.Device(device_id), stream:
-        launch.backward(*tensors, lse_info, *grad_infos, shape, causal, deterministic, device_id, stream)
+        launch.backward(*tensors, lse_info, *grad_infos, shape, causal, deterministic, device_id, stream,
+                        features=_features(options, alibi))
 
 
 def _shape_of(q, k, v, softmax_scale) -> AttentionShape:
@@ -83,39 +92,50 @@ def _shape_of(q, k, v, softmax_scale) -> AttentionShape:
     return validate_qkv(*infos, softmax_scale, check_pointers=False)
 
 
-def _forward(q, k, v, softmax_scale, causal):
+def _forward(q, k, v, alibi, softmax_scale, causal, options):
     shape = _shape_of(q, k, v, softmax_scale)
     lse_type = jax.ShapeDtypeStruct((shape.batch, shape.nheads, shape.seqlen_q), jnp.float32)
-    if shape.seqlen_k == 0:  # FA2: no keys -> output 0, LSE +inf
+    if shape.seqlen_k == 0 or shape.batch == 0 or shape.seqlen_q == 0:  # FA2: no keys -> output 0, LSE +inf
         return jnp.zeros_like(q), jnp.full(lse_type.shape, jnp.inf, jnp.float32)
-    callback = functools.partial(_forward_callback, shape=shape, causal=causal)
-    return buffer_callback(callback, (jax.ShapeDtypeStruct(q.shape, q.dtype), lse_type))(q, k, v)
+    callback = functools.partial(_forward_callback, shape=shape, causal=causal, options=options)
+    return buffer_callback(callback, (jax.ShapeDtypeStruct(q.shape, q.dtype), lse_type))(q, k, v, alibi)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, softmax_scale, causal, deterministic):
-    return _forward(q, k, v, softmax_scale, causal)
+# options = (window, softcap, alibi_shape): static; the slopes themselves are an (undifferentiated) input.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q, k, v, alibi, softmax_scale, causal, options, deterministic):
+    return _forward(q, k, v, alibi, softmax_scale, causal, options)
 
 
-def _attention_fwd(q, k, v, softmax_scale, causal, deterministic):
-    out, lse = _forward(q, k, v, softmax_scale, causal)
-    return (out, lse), (q, k, v, out, lse)
+def _attention_fwd(q, k, v, alibi, softmax_scale, causal, options, deterministic):
+    out, lse = _forward(q, k, v, alibi, softmax_scale, causal, options)
+    return (out, lse), (q, k, v, alibi, out, lse)
 
 
-def _attention_bwd(softmax_scale, causal, deterministic, residuals, cotangents):
-    q, k, v, out, lse = residuals
+def _attention_bwd(softmax_scale, causal, options, deterministic, residuals, cotangents):
+    q, k, v, alibi, out, lse = residuals
     dout, _ = cotangents  # the LSE output is not differentiated (as in FA2)
     shape = _shape_of(q, k, v, softmax_scale)
-    if shape.seqlen_k == 0:
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    callback = functools.partial(_backward_callback, shape=shape, causal=causal, deterministic=deterministic)
+    if shape.seqlen_k == 0 or shape.batch == 0 or shape.seqlen_q == 0:
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), jnp.zeros_like(alibi)
+    callback = functools.partial(_backward_callback, shape=shape, causal=causal, deterministic=deterministic,
+                                 options=options)
     types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    return buffer_callback(callback, types)(dout.astype(q.dtype), q, k, v, out, lse)
+    dq, dk, dv = buffer_callback(callback, types)(dout.astype(q.dtype), q, k, v, out, lse, alibi)
+    return dq, dk, dv, jnp.zeros_like(alibi)  # the slopes are not differentiated (as in FA2)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def forward(q, k, v, softmax_scale, causal, deterministic):
+def forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic):
     """(out, softmax_lse), differentiable with respect to q, k, v; traceable under jit."""
-    return _attention(q, k, v, softmax_scale, bool(causal), bool(deterministic))
+    shape = _shape_of(q, k, v, softmax_scale)
+    if alibi_slopes is None:
+        alibi, alibi_shape = jnp.zeros((0,), jnp.float32), None
+    else:
+        alibi = jnp.asarray(alibi_slopes)
+        check_alibi(_contiguous_info(alibi.shape, alibi.dtype), shape.batch, shape.nheads, "cuda")
+        alibi_shape = tuple(alibi.shape)
+    options = (tuple(int(w) for w in window), float(softcap), alibi_shape)
+    return _attention(q, k, v, alibi, softmax_scale, bool(causal), options, bool(deterministic))

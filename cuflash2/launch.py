@@ -13,15 +13,15 @@ import numpy as np
 
 from .compiler import get_kernel
 from .config import KernelConfig, backward_plan, forward_config
+from .features import PLAIN, Features
 from .validate import AttentionShape, TensorInfo, check_compute_capability
 
-LOG2_E = 1.0 / math.log(2.0)
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 _ELEMENTWISE_THREADS = 256
 _i32, _i64, _f32, _ptr = np.int32, np.int64, np.float32, np.uint64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_arch(device_id: int) -> int:
     """Compute capability as an int (90 for sm_90), checked to be >= 8.0."""
     import cupy as cp
@@ -38,17 +38,28 @@ def _launch(config: KernelConfig, device_id: int, stream, grid, args) -> None:
     get_kernel(config, device_id)(grid, (config.threads,), args, shared_mem=config.smem_bytes, stream=stream)
 
 
+def _seqlen_args(shape: AttentionShape, features: Features):
+    """The kernels' seqlen_q/seqlen_k arguments: varlen kernels read the lengths from cu_seqlens and
+    take the packed row counts here instead (the LSE and D layout (nheads, total_q))."""
+    if features.varlen:
+        return _i32(features.total_q), _i32(features.total_k)
+    return _i32(shape.seqlen_q), _i32(shape.seqlen_k)
+
+
 def forward(q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: TensorInfo, shape: AttentionShape,
-            causal: bool, device_id: int, stream, config: KernelConfig | None = None) -> None:
-    """out, lse <- attention(q, k, v). `config` overrides the tile choice (tuning only)."""
+            causal: bool, device_id: int, stream, config: KernelConfig | None = None,
+            features: Features = PLAIN) -> None:
+    """out, lse <- attention(q, k, v). `config` overrides the tile choice (tuning only). Varlen calls
+    pass q, k, v, out as (batch, max_seqlen, nheads, dim) views with batch stride 0 (features.as_batched)."""
     if config is None:
-        config = forward_config(shape.head_dim, SHORT_DTYPE[shape.dtype], causal, device_arch(device_id))
+        config = forward_config(shape.head_dim, SHORT_DTYPE[shape.dtype], causal, device_arch(device_id),
+                                not features.is_plain(causal))
     grid = (math.ceil(shape.seqlen_q / config.block_m), shape.nheads, shape.batch)
     _launch(config, device_id, stream, grid,
             (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(out.data_ptr), _ptr(lse.data_ptr),
              *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
-             _i32(shape.seqlen_q), _i32(shape.seqlen_k), _i32(shape.head_dim), _i32(shape.kv_group),
-             _f32(shape.softmax_scale * LOG2_E)))
+             *_seqlen_args(shape, features), _i32(shape.head_dim), _i32(shape.kv_group),
+             *features.kernel_args(causal, shape.softmax_scale)))
 
 
 def _scratch(cp, shape, dtype=np.float32, zero=False):
@@ -62,15 +73,23 @@ def _scratch(cp, shape, dtype=np.float32, zero=False):
 def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: TensorInfo,
              dq: TensorInfo, dk: TensorInfo, dv: TensorInfo, shape: AttentionShape, causal: bool,
              deterministic: bool, device_id: int, stream, atomic_dq: bool | None = None,
-             split: bool | None = None, arch: int | None = None) -> None:
+             split: bool | None = None, arch: int | None = None, features: Features = PLAIN) -> None:
     """dq, dk, dv <- gradients. `atomic_dq`/`split`/`arch` (another GPU's tile table) override the
-    plan: tuning and tests only."""
+    plan: tuning and tests only. Varlen tensors come as in `forward`."""
     import cupy as cp
 
-    b, sq, sk, h, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.head_dim
+    h, d = shape.nheads, shape.head_dim
     gqa = shape.kv_group > 1
+    variant = not features.is_plain(causal)
+    if variant and atomic_dq:
+        raise ValueError("atomic_dq: the variant kernels (window/softcap/ALiBi/varlen) use the dQ kernel only")
     plan = backward_plan(d, SHORT_DTYPE[shape.dtype], causal, arch or device_arch(device_id), deterministic, gqa,
-                         split, atomic_dq)
+                         split, atomic_dq, variant)
+    # Row-wise buffers (D, fp32 accumulators) cover (b, seqlen) rows, or the packed rows when varlen.
+    if features.varlen:
+        b, sq, sk = 1, features.total_q, features.total_k
+    else:
+        b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
     keep = []  # scratch arrays must outlive the launches that use them (stream-ordered pool)
 
     delta, delta_i = _scratch(cp, (b, h, sq))
@@ -91,18 +110,17 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
     else:
         dk_t, dv_t, dk_strides, dv_strides = dk, dv, _strides3(dk), _strides3(dv)
     scale = shape.softmax_scale
+    tail = (*_seqlen_args(shape, features), _i32(d), _i32(shape.kv_group), *features.kernel_args(causal, scale))
     for config in plan.main:
-        _launch(config, device_id, stream, (math.ceil(sk / config.block_n), h, b),
+        _launch(config, device_id, stream, (math.ceil(shape.seqlen_k / config.block_n), h, shape.batch),
                 (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(dout.data_ptr), _ptr(lse.data_ptr),
                  _ptr(delta_i.data_ptr), _ptr(dq_acc_ptr), _ptr(dk_t.data_ptr), _ptr(dv_t.data_ptr),
-                 *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *dk_strides, *dv_strides,
-                 _i32(sq), _i32(sk), _i32(d), _i32(shape.kv_group), _f32(scale * LOG2_E), _f32(scale)))
+                 *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *dk_strides, *dv_strides, *tail))
     if plan.dq is not None:
-        _launch(plan.dq, device_id, stream, (math.ceil(sq / plan.dq.block_m), h, b),
+        _launch(plan.dq, device_id, stream, (math.ceil(shape.seqlen_q / plan.dq.block_m), h, shape.batch),
                 (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(dout.data_ptr), _ptr(lse.data_ptr),
                  _ptr(delta_i.data_ptr), _ptr(dq.data_ptr), *_strides3(q), *_strides3(k), *_strides3(v),
-                 *_strides3(dout), *_strides3(dq), _i32(sq), _i32(sk), _i32(d), _i32(shape.kv_group),
-                 _f32(scale * LOG2_E), _f32(scale)))
+                 *_strides3(dout), *_strides3(dq), *tail))
     else:
         _convert(plan.convert, device_id, stream, dq_acc_ptr, dq, b, sq, h, d, 1, scale)
     if gqa:

@@ -47,21 +47,6 @@ def _expect(condition: bool, message: str, error=ValueError) -> None:
         raise error(message)
 
 
-def check_unsupported_options(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              return_attn_probs=False) -> None:
-    """Options of FA2's API that cuflash2 does not implement yet raise NotImplementedError."""
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p: only 0.0 is supported so far, got {dropout_p}")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"window_size: sliding windows are not supported yet, got {tuple(window_size)}")
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap: only 0.0 is supported so far, got {softcap}")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not supported yet, got an array")
-    if return_attn_probs:
-        raise NotImplementedError("return_attn_probs: returning attention probabilities is not supported yet")
-
-
 def check_dtype(name: str, info: TensorInfo, expected: str | None = None) -> None:
     if expected is None:
         _expect(info.dtype in SUPPORTED_DTYPES,
@@ -109,8 +94,6 @@ def validate_qkv(q: TensorInfo, k: TensorInfo, v: TensorInfo, softmax_scale=None
     _expect(v.shape == k.shape, f"v: expected shape {k.shape} (same as k), got {v.shape}")
     _expect(k.shape[0] == batch, f"k: expected batch {batch} (same as q), got {k.shape[0]}")
     _expect(k.shape[3] == head_dim, f"k: expected head dim {head_dim} (same as q), got {k.shape[3]}")
-    _expect(batch >= 1, f"q: expected batch >= 1, got {batch}")
-    _expect(seqlen_q >= 1, f"q: expected seqlen_q >= 1, got {seqlen_q}")
     _expect(nheads >= 1 and nheads_kv >= 1, f"k: expected at least one head, got q {nheads}, k {nheads_kv}")
     _expect(nheads % nheads_kv == 0,
             f"k: expected nheads of q ({nheads}) to be a multiple of nheads of k/v, got {nheads_kv}")

@@ -1,47 +1,72 @@
 // Which key blocks a query block must visit, which of them need an element-wise mask, and the
-// mask itself. Causal masks are aligned to the bottom-right corner: query i sees key j iff
-// j <= i + seqlen_k - seqlen_q (FlashAttention-2's convention when seqlen_q != seqlen_k).
+// mask itself. Masks are aligned to the bottom-right corner (FlashAttention-2's convention when
+// seqlen_q != seqlen_k): with shift = seqlen_k - seqlen_q, query i sees key j iff
+//     i + shift - window_left <= j <= i + shift + window_right   and   j < seqlen_k,
+// causal being window_right = 0. kWindow enables the run-time window (sliding-window attention);
+// without it the left side is unbounded and the right side is 0 (causal) or unbounded, known at
+// compile time, so the plain kernels carry no window arithmetic.
 #pragma once
 #include "ptx.cuh"
 
-template <bool kCausal>
+template <bool kCausal, bool kWindow = false>
 struct BlockMask {
     int seqlen_q;
     int seqlen_k;
+    int window_left = 0;   // kWindow only; the host clamps "unbounded" to a large finite value
+    int window_right = 0;  // kWindow only; already min(window_right, 0) when causal
 
     CF_DEVICE int diagonal_shift() const { return seqlen_k - seqlen_q; }
+    static constexpr bool kRightBounded = kCausal || kWindow;
+    CF_DEVICE int right_reach() const { return kWindow ? window_right : 0; }  // valid when kRightBounded
 
-    // One past the last key block holding a key visible to some row of query block m_block.
+    // The key blocks [key_block_begin, key_block_end) hold every key visible to some row of m_block.
+    CF_DEVICE int key_block_begin(int m_block, int block_m, int block_n) const {
+        if (!kWindow) return 0;
+        int first_col = m_block * block_m + diagonal_shift() - window_left;
+        return first_col <= 0 ? 0 : first_col / block_n;
+    }
     CF_DEVICE int key_block_end(int m_block, int block_m, int block_n) const {
         int last_col = seqlen_k;  // exclusive bound on visible columns
-        if (kCausal) {
-            int causal_end = (m_block + 1) * block_m + diagonal_shift();
-            last_col = causal_end < last_col ? causal_end : last_col;
+        if (kRightBounded) {
+            int right_end = (m_block + 1) * block_m + diagonal_shift() + right_reach();
+            last_col = right_end < last_col ? right_end : last_col;
         }
         return last_col <= 0 ? 0 : (last_col + block_n - 1) / block_n;
     }
 
-    // Blocks entirely inside the visible region skip the element-wise mask (the common case).
+    // Blocks entirely inside the visible region skip the element-wise mask (the common case). A
+    // block can cross the right edge only at its top-right corner and the left edge only at its
+    // bottom-left corner.
     CF_DEVICE bool block_needs_mask(int m_block, int n_block, int block_m, int block_n) const {
         int col_end = (n_block + 1) * block_n;
         bool crosses_tail = col_end > seqlen_k;
-        bool crosses_diagonal = kCausal && (col_end - 1 > m_block * block_m + diagonal_shift());
-        return crosses_tail || crosses_diagonal;
+        bool crosses_right = kRightBounded && (col_end - 1 > m_block * block_m + diagonal_shift() + right_reach());
+        bool crosses_left = kWindow && (n_block * block_n < (m_block + 1) * block_m - 1 + diagonal_shift() - window_left);
+        return crosses_tail || crosses_right || crosses_left;
     }
 
     CF_DEVICE bool visible(int row, int col) const {
-        return col < seqlen_k && (!kCausal || col <= row + diagonal_shift());
+        int diag = row + diagonal_shift();
+        return col < seqlen_k && (!kRightBounded || col <= diag + right_reach()) &&
+               (!kWindow || col >= diag - window_left);
     }
 
     // Backward: the query blocks [begin, end) holding a row that sees some key of key block n_block.
     CF_DEVICE int query_block_begin(int n_block, int block_m, int block_n) const {
-        if (!kCausal) return 0;
-        int first_row = n_block * block_n - diagonal_shift();  // first row that sees the block's first key
+        if (!kRightBounded) return 0;
+        int first_row = n_block * block_n - diagonal_shift() - right_reach();  // first row seeing the block's first key
         return first_row <= 0 ? 0 : first_row / block_m;
     }
-    CF_DEVICE int query_block_end(int block_m) const { return (seqlen_q + block_m - 1) / block_m; }
+    CF_DEVICE int query_block_end(int n_block, int block_m, int block_n) const {
+        int blocks = (seqlen_q + block_m - 1) / block_m;
+        if (!kWindow) return blocks;
+        int last_row = (n_block + 1) * block_n - 1 - diagonal_shift() + window_left;  // last row seeing the last key
+        if (last_row < 0) return 0;
+        int end = last_row / block_m + 1;
+        return end < blocks ? end : blocks;
+    }
 
-    // Backward: does tile (m_block, n_block) need the element-wise mask (tails or diagonal)?
+    // Backward: does tile (m_block, n_block) need the element-wise mask (tails, diagonal, window)?
     CF_DEVICE bool tile_needs_mask(int m_block, int n_block, int block_m, int block_n) const {
         return (m_block + 1) * block_m > seqlen_q || block_needs_mask(m_block, n_block, block_m, block_n);
     }

@@ -10,6 +10,7 @@
 #include "ptx.cuh"
 #include "smem_tile.cuh"
 #include "block_mask.cuh"
+#include "variant.cuh"
 #include "warp_gemm.cuh"
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kDq>
@@ -59,8 +60,8 @@ CF_DEVICE void store_key_rows(const float (&acc)[1][kDTiles][4], void* out, i64 
     }
 }
 
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal, bool kDv,
-          bool kDk, bool kDq, bool kFloatDkv>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal, bool kVariant,
+          bool kDv, bool kDk, bool kDq, bool kFloatDkv>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                  const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -71,13 +72,19 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                  i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
                  i64 dk_batch_stride, i64 dk_row_stride, i64 dk_head_stride,
                  i64 dv_batch_stride, i64 dv_row_stride, i64 dv_head_stride,
-                 int seqlen_q, int seqlen_k, int head_dim, int kv_group, float scale_log2, float softmax_scale) {
+                 int seqlen_q, int seqlen_k, int head_dim, int kv_group, float scale_log2, float softmax_scale,
+                 CF_VARIANT_PARAMS) {
     using Tr = BwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kDq>;
     static_assert(kDv || kDk, "a launch must produce dV or dK");
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z, kv_head = head / kv_group;
-    const BlockMask<kCausal> mask{seqlen_q, seqlen_k};
+    const VariantArgs va = CF_VARIANT_ARGS;
+    const SeqRange seq = SeqRange::make<kVariant>(va, batch, gridDim.y, seqlen_q, seqlen_k);
+    const int key0 = n_block * kBlockN, keys_left = seq.seqlen_k - key0;
+    if (kVariant && keys_left <= 0) return;  // varlen: past this sequence's end
+    const auto mask = make_mask<kCausal, kVariant>(seq, va);
+    const ScoreMod mod = ScoreMod::make(va, softmax_scale, batch, head, seq.seqlen_k - seq.seqlen_q);
     const float kLog2e = 1.4426950408889634f;
 
     const u32 k_smem = smem_addr(smem), v_smem = k_smem + Tr::KTile::kBytes;
@@ -85,26 +92,27 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const u32 ds_smem = stage0 + kStages * Tr::kQStageBytes;
     const float* stage_floats = reinterpret_cast<const float*>(smem + 2 * Tr::KTile::kBytes + 2 * Tr::QTile::kBytes);
 
-    const int key0 = n_block * kBlockN, keys_left = seqlen_k - key0;
-    const u16* q_head = q + batch * q_batch_stride + head * q_head_stride;
-    const u16* do_head = dout + batch * do_batch_stride + head * do_head_stride;
-    const float* lse_head = lse + ((i64)batch * gridDim.y + head) * seqlen_q;
-    const float* delta_head = delta + ((i64)batch * gridDim.y + head) * seqlen_q;
+    const u16* q_head = q + batch * q_batch_stride + head * q_head_stride + (i64)seq.q_start * q_row_stride;
+    const u16* do_head = dout + batch * do_batch_stride + head * do_head_stride + (i64)seq.q_start * do_row_stride;
+    const float* lse_head = lse + seq.lse_offset(head);
+    const float* delta_head = delta + seq.lse_offset(head);
     const int m_begin = mask.query_block_begin(n_block, kBlockM, kBlockN);
-    const int m_end = mask.query_block_end(kBlockM);
+    const int m_end = mask.query_block_end(n_block, kBlockM, kBlockN);
 
     // K and V stay resident; Q, dO and their row vectors (LSE, D) stream through kStages stages.
     TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, k_row_stride)
-        .load(k_smem, k + batch * k_batch_stride + kv_head * k_head_stride + (i64)key0 * k_row_stride, keys_left, head_dim);
+        .load(k_smem, k + batch * k_batch_stride + kv_head * k_head_stride + ((i64)seq.k_start + key0) * k_row_stride,
+              keys_left, head_dim);
     if (kDk)
         TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, v_row_stride)
-            .load(v_smem, v + batch * v_batch_stride + kv_head * v_head_stride + (i64)key0 * v_row_stride, keys_left, head_dim);
+            .load(v_smem, v + batch * v_batch_stride + kv_head * v_head_stride + ((i64)seq.k_start + key0) * v_row_stride,
+                  keys_left, head_dim);
     const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> q_loader(tid, q_row_stride);
     const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> do_loader(tid, do_row_stride);
     auto load_query_block = [&](int m_block) {
         if (m_block < m_end) {
             const u32 stage = stage0 + ((m_block - m_begin) % kStages) * Tr::kQStageBytes;
-            const int row0 = m_block * kBlockM, rows_left = seqlen_q - row0;
+            const int row0 = m_block * kBlockM, rows_left = seq.seqlen_q - row0;
             q_loader.load(stage, q_head + (i64)row0 * q_row_stride, rows_left, head_dim);
             do_loader.load(stage + Tr::QTile::kBytes, do_head + (i64)row0 * do_row_stride, rows_left, head_dim);
             for (int i = tid; i < 2 * kBlockM; i += Tr::kThreads) {
@@ -140,8 +148,10 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         __syncthreads();
         if (kStages == 2) load_query_block(m_block + 1);
 
-        // P^T = exp2(S^T * scale_log2 - LSE * log2 e), zero where masked.
-        float p[1][Tr::kQTiles][4];
+        // P^T = exp2(S^T * scale_log2 - LSE * log2 e), zero where masked. Variant kernels with a
+        // score modifier turn S^T into logits first (scale_log2 is then log2 e) and keep the
+        // softcap's derivative for dS.
+        float p[1][Tr::kQTiles][4], dtanh[1][Tr::kQTiles][4];
         zero_acc(p);
         gemm_abt<T, 1, Tr::kQTiles, kHeadDim / 16>(p, k_as_a, LdsmCursor<typename Tr::QTile>(q_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
         const bool needs_mask = mask.tile_needs_mask(m_block, n_block, kBlockM, kBlockN);
@@ -151,7 +161,9 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             for (int i = 0; i < 4; ++i) {
                 const int col = nt * 8 + (lane % 4) * 2 + (i & 1);
                 const int key = key0 + warp * 16 + lane / 4 + (i >= 2 ? 8 : 0);
-                float pv = fast_exp2(fmaf(p[0][nt][i], scale_log2, -lse_rows[col] * kLog2e));
+                float s = p[0][nt][i];
+                if (kVariant && mod.active) s = mod.apply(s, m_block * kBlockM + col, key, &dtanh[0][nt][i]);
+                float pv = fast_exp2(fmaf(s, scale_log2, -lse_rows[col] * kLog2e));
                 if (needs_mask && !mask.visible_in_range(m_block * kBlockM + col, key)) pv = 0.f;
                 p[0][nt][i] = pv;
             }
@@ -164,7 +176,10 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 #pragma unroll
             for (int nt = 0; nt < Tr::kQTiles; ++nt)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) ds[0][nt][i] = p[0][nt][i] * (ds[0][nt][i] - delta_rows[nt * 8 + (lane % 4) * 2 + (i & 1)]);
+                for (int i = 0; i < 4; ++i) {
+                    ds[0][nt][i] = p[0][nt][i] * (ds[0][nt][i] - delta_rows[nt * 8 + (lane % 4) * 2 + (i & 1)]);
+                    if (kVariant && mod.softcap > 0.f) ds[0][nt][i] *= dtanh[0][nt][i];
+                }
             gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dk, ds, LdsmCursor<typename Tr::QTile>(q_smem, lane % 16, lane / 16));
             if (kDq) {
 #pragma unroll
@@ -181,9 +196,9 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 const int col_group = Tr::kDqColGroups == 1 ? 0 : warp / Tr::kDqRowTiles;
                 const int dq_row = m_block * kBlockM + row_tile * 16 + lane / 4;
                 const i64 dq_row_stride = (i64)gridDim.y * head_dim;
-                float* dq_lane = dq_accum + (((i64)batch * seqlen_q + dq_row) * gridDim.y + head) * head_dim +
+                float* dq_lane = dq_accum + ((seq.q_flat + dq_row) * gridDim.y + head) * head_dim +
                                  col_group * Tr::kDqCols + (lane % 4) * 2;
-                const bool row_lo_ok = dq_row < seqlen_q, row_hi_ok = dq_row + 8 < seqlen_q;
+                const bool row_lo_ok = dq_row < seq.seqlen_q, row_hi_ok = dq_row + 8 < seq.seqlen_q;
 #pragma unroll
                 for (int c0 = 0; c0 < Tr::kDqCols; c0 += Tr::kDqChunk) {
                     float acc_dq[1][Tr::kDqChunk / 8][4];
@@ -209,13 +224,13 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int row0 = key0 + warp * 16;
     if (kFloatDkv) {
         const i64 rs = (i64)gridDim.y * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
-        const i64 base = ((i64)batch * seqlen_k * gridDim.y + head) * head_dim;
-        if (kDk) store_key_rows<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seqlen_k, head_dim, softmax_scale, lane);
-        if (kDv) store_key_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seqlen_k, head_dim, 1.f, lane);
+        const i64 base = (seq.k_flat * gridDim.y + head) * head_dim;
+        if (kDk) store_key_rows<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seq.seqlen_k, head_dim, softmax_scale, lane);
+        if (kDv) store_key_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seq.seqlen_k, head_dim, 1.f, lane);
     } else {
-        if (kDk) store_key_rows<T, false>(acc_dk, static_cast<u16*>(dk) + batch * dk_batch_stride + kv_head * dk_head_stride,
-                                          dk_row_stride, row0, seqlen_k, head_dim, softmax_scale, lane);
-        if (kDv) store_key_rows<T, false>(acc_dv, static_cast<u16*>(dv) + batch * dv_batch_stride + kv_head * dv_head_stride,
-                                          dv_row_stride, row0, seqlen_k, head_dim, 1.f, lane);
+        u16* dk_seq = static_cast<u16*>(dk) + batch * dk_batch_stride + kv_head * dk_head_stride + (i64)seq.k_start * dk_row_stride;
+        u16* dv_seq = static_cast<u16*>(dv) + batch * dv_batch_stride + kv_head * dv_head_stride + (i64)seq.k_start * dv_row_stride;
+        if (kDk) store_key_rows<T, false>(acc_dk, dk_seq, dk_row_stride, row0, seq.seqlen_k, head_dim, softmax_scale, lane);
+        if (kDv) store_key_rows<T, false>(acc_dv, dv_seq, dv_row_stride, row0, seq.seqlen_k, head_dim, 1.f, lane);
     }
 }

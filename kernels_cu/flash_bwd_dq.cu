@@ -5,6 +5,7 @@
 #include "ptx.cuh"
 #include "smem_tile.cuh"
 #include "block_mask.cuh"
+#include "variant.cuh"
 #include "warp_gemm.cuh"
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
@@ -18,7 +19,7 @@ struct BwdDqTraits {
     static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows");
 };
 
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kCausal>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kCausal, bool kVariant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -28,19 +29,25 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
                     i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
                     i64 dq_batch_stride, i64 dq_row_stride, i64 dq_head_stride,
-                    int seqlen_q, int seqlen_k, int head_dim, int kv_group, float scale_log2, float softmax_scale) {
+                    int seqlen_q, int seqlen_k, int head_dim, int kv_group, float scale_log2, float softmax_scale,
+                    CF_VARIANT_PARAMS) {
     using Tr = BwdDqTraits<kHeadDim, kBlockM, kBlockN, kNWarps>;
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z, kv_head = head / kv_group;
-    const BlockMask<kCausal> mask{seqlen_q, seqlen_k};
+    const VariantArgs va = CF_VARIANT_ARGS;
+    const SeqRange seq = SeqRange::make<kVariant>(va, batch, gridDim.y, seqlen_q, seqlen_k);
+    const int row0 = m_block * kBlockM, rows_left = seq.seqlen_q - row0;
+    if (kVariant && rows_left <= 0) return;  // varlen: past this sequence's end
+    const auto mask = make_mask<kCausal, kVariant>(seq, va);
+    const ScoreMod mod = ScoreMod::make(va, softmax_scale, batch, head, seq.seqlen_k - seq.seqlen_q);
     const float kLog2e = 1.4426950408889634f;
-    const int row0 = m_block * kBlockM, rows_left = seqlen_q - row0;
 
     const u32 q_smem = smem_addr(smem), do_smem = q_smem + Tr::QTile::kBytes;
     const u32 kv_smem = do_smem + Tr::QTile::kBytes;  // slot 0: K, slot 1: V
-    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
-    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
+    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride + (i64)seq.k_start * k_row_stride;
+    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride + (i64)seq.k_start * v_row_stride;
+    const int n_begin = mask.key_block_begin(m_block, kBlockM, kBlockN);
     const int n_end = mask.key_block_end(m_block, kBlockM, kBlockN);
 
     float acc_dq[1][Tr::kDTiles][4];
@@ -50,16 +57,17 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = row0 + warp * 16 + lane / 4 + 8 * r;
-        const i64 at = ((i64)batch * gridDim.y + head) * seqlen_q + row;
-        row_lse[r] = row < seqlen_q ? lse[at] * kLog2e : CF_INF;
-        row_delta[r] = row < seqlen_q ? delta[at] : 0.f;
+        const i64 at = seq.lse_offset(head) + row;
+        row_lse[r] = row < seq.seqlen_q ? lse[at] * kLog2e : CF_INF;
+        row_delta[r] = row < seq.seqlen_q ? delta[at] : 0.f;
     }
 
-    if (n_end > 0) {
+    if (n_end > n_begin) {
+        const i64 q_row = (i64)seq.q_start + row0;
         TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads>(tid, q_row_stride)
-            .load(q_smem, q + batch * q_batch_stride + head * q_head_stride + (i64)row0 * q_row_stride, rows_left, head_dim);
+            .load(q_smem, q + batch * q_batch_stride + head * q_head_stride + q_row * q_row_stride, rows_left, head_dim);
         TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads>(tid, do_row_stride)
-            .load(do_smem, dout + batch * do_batch_stride + head * do_head_stride + (i64)row0 * do_row_stride, rows_left, head_dim);
+            .load(do_smem, dout + batch * do_batch_stride + head * do_head_stride + q_row * do_row_stride, rows_left, head_dim);
         const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> k_loader(tid, k_row_stride);
         const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> v_loader(tid, v_row_stride);
         const LdsmCursor<typename Tr::QTile> q_as_a(q_smem, warp * 16 + lane % 16, lane / 16);
@@ -68,11 +76,11 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
         const LdsmCursor<typename Tr::KVTile> v_as_bt(kv_smem + Tr::KVTile::kBytes, (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
         const LdsmCursor<typename Tr::KVTile> k_as_b(kv_smem, lane % 16, lane / 16);
 
-        for (int n_block = 0; n_block < n_end; ++n_block) {
+        for (int n_block = n_begin; n_block < n_end; ++n_block) {
             const int key0 = n_block * kBlockN;
             __syncthreads();  // previous K/V fully consumed
-            k_loader.load(kv_smem, k_head + (i64)key0 * k_row_stride, seqlen_k - key0, head_dim);
-            v_loader.load(kv_smem + Tr::KVTile::kBytes, v_head + (i64)key0 * v_row_stride, seqlen_k - key0, head_dim);
+            k_loader.load(kv_smem, k_head + (i64)key0 * k_row_stride, seq.seqlen_k - key0, head_dim);
+            v_loader.load(kv_smem + Tr::KVTile::kBytes, v_head + (i64)key0 * v_row_stride, seq.seqlen_k - key0, head_dim);
             cp_async_commit();
             cp_async_wait<0>();
             __syncthreads();
@@ -88,10 +96,13 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int r = i / 2;
-                    float pv = fast_exp2(fmaf(p[0][nt][i], scale_log2, -row_lse[r]));
-                    if (needs_mask && !mask.visible(row0 + warp * 16 + lane / 4 + 8 * r, key0 + nt * 8 + (lane % 4) * 2 + (i & 1)))
-                        pv = 0.f;
+                    const int row = row0 + warp * 16 + lane / 4 + 8 * r, col = key0 + nt * 8 + (lane % 4) * 2 + (i & 1);
+                    float s = p[0][nt][i], dtanh = 1.f;
+                    if (kVariant && mod.active) s = mod.apply(s, row, col, &dtanh);  // logits (scale_log2 = log2 e)
+                    float pv = fast_exp2(fmaf(s, scale_log2, -row_lse[r]));
+                    if (needs_mask && !mask.visible(row, col)) pv = 0.f;
                     ds[0][nt][i] = pv * (ds[0][nt][i] - row_delta[r]);
+                    if (kVariant) ds[0][nt][i] *= dtanh;
                 }
             gemm_rs<T, 1, Tr::kNTiles, Tr::kDTiles>(acc_dq, ds, k_as_b);  // dQ += dS K
         }
@@ -100,8 +111,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = row0 + warp * 16 + lane / 4 + 8 * r;
-        if (row >= seqlen_q) continue;
-        u16* dst = dq + batch * dq_batch_stride + head * dq_head_stride + row * dq_row_stride;
+        if (row >= seq.seqlen_q) continue;
+        u16* dst = dq + batch * dq_batch_stride + head * dq_head_stride + ((i64)seq.q_start + row) * dq_row_stride;
 #pragma unroll
         for (int dt = 0; dt < Tr::kDTiles; ++dt) {
             const int col = dt * 8 + (lane % 4) * 2;

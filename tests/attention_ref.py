@@ -40,3 +40,60 @@ def attention_backward_ref(xp, q, k, v, dout, causal=False, softmax_scale=None, 
     dk = dk.reshape(b, sk, hk, group, d).sum(axis=3)
     dv = dv.reshape(b, sk, hk, group, d).sum(axis=3)
     return dq.astype(xp.float32), dk.astype(xp.float32), dv.astype(xp.float32)
+
+
+def visible_ref(xp, sq, sk, causal=False, window=(-1, -1)):
+    """(sq, sk) bool: query i sees key j (bottom-right aligned window; causal = right 0)."""
+    left, right = window
+    right = 0 if causal else right
+    distance = xp.arange(sk)[None, :] - (xp.arange(sq)[:, None] + (sk - sq))
+    visible = xp.ones((sq, sk), dtype=bool)
+    if right >= 0:
+        visible &= distance <= right
+    if left >= 0:
+        visible &= distance >= -left
+    return visible, distance
+
+
+def attention_features_ref(xp, q, k, v, dout=None, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
+                           slopes=None, low_precision=None):
+    """Forward (out, lse) and, given dout, gradients (dq, dk, dv) in float32 of attention with a
+    sliding window, softcap and ALiBi (slopes: (nheads,) or (batch, nheads)), on float32 inputs.
+    With `low_precision`, every intermediate is rounded to that dtype (FA2's naive baseline)."""
+    rnd = (lambda x: round_to(xp, x, low_precision)) if low_precision else (lambda x: x)
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    group = h // k.shape[2]
+    kr, vr = xp.repeat(k, group, axis=2), xp.repeat(v, group, axis=2)
+    s = rnd(xp.einsum("bqhd,bkhd->bhqk", q, kr) * scale)
+    t = None
+    if softcap > 0:
+        t = rnd(xp.tanh(s / softcap))
+        s = rnd(softcap * t)
+    visible, distance = visible_ref(xp, sq, sk, causal, window)
+    if slopes is not None:
+        sl = xp.broadcast_to(xp.asarray(slopes, dtype=xp.float32).reshape(-1, h), (b, h))
+        s = rnd(s - sl[:, :, None, None] * xp.abs(distance).astype(xp.float32))
+    s = xp.where(visible, s, -xp.inf)
+    row_max = s.max(axis=-1, keepdims=True)
+    row_max = xp.where(xp.isfinite(row_max), row_max, 0)
+    e = xp.exp(s - row_max)
+    denom = e.sum(axis=-1, keepdims=True)
+    lse = xp.where(denom[..., 0] > 0, xp.log(xp.where(denom == 0, 1, denom))[..., 0] + row_max[..., 0], xp.inf)
+    p = rnd(e / xp.where(denom == 0, 1, denom))
+    out = rnd(xp.einsum("bhqk,bkhd->bqhd", p, vr))
+    if dout is None:
+        return out.astype(xp.float32), lse.astype(xp.float32)
+    dv = rnd(xp.einsum("bhqk,bqhd->bkhd", p, dout))
+    dp = rnd(xp.einsum("bqhd,bkhd->bhqk", dout, vr))
+    delta = xp.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
+    ds = rnd(p * (dp - delta))
+    if t is not None:
+        ds = rnd(ds * (1 - t * t))
+    dq = rnd(xp.einsum("bhqk,bkhd->bqhd", ds, kr) * scale)
+    dk = rnd(xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale)
+    hk = k.shape[2]
+    dk = dk.reshape(b, sk, hk, group, d).sum(axis=3)
+    dv = dv.reshape(b, sk, hk, group, d).sum(axis=3)
+    return tuple(x.astype(xp.float32) for x in (out, lse, dq, dk, dv))

@@ -1,6 +1,7 @@
 """Kernel configurations (cuflash2/config.py) and FLOP counting (cuflash2/bench.py). CPU only, fast."""
 
 import itertools
+import dataclasses
 import re
 
 import pytest
@@ -78,14 +79,14 @@ def test_smem_bytes_formula():
 
 @pytest.mark.parametrize("arch", [80, 90, 86])
 def test_template_name_round_trips(arch):
-    pattern = re.compile(r"^(\w+)<(Bf16|Fp16), (\d+), (\d+), (\d+), (\d+), (\d+), (true|false)>$")
+    pattern = re.compile(r"^(\w+)<(Bf16|Fp16), (\d+), (\d+), (\d+), (\d+), (\d+), (true|false), (true|false)>$")
     for c in all_forward_configs(arch):
         match = pattern.match(c.template_name())
         assert match, c.template_name()
-        kernel, ctype, d, bm, bn, w, s, causal = match.groups()
+        kernel, ctype, d, bm, bn, w, s, causal, variant = match.groups()
         parsed = fwd_config({"Bf16": "bf16", "Fp16": "fp16"}[ctype], int(d), int(bm), int(bn), int(w), int(s),
                             causal == "true", kernel)
-        assert parsed == c
+        assert dataclasses.replace(parsed, variant=variant == "true") == c
 
 
 def test_short_id_is_unique_and_readable():
@@ -95,6 +96,25 @@ def test_short_id_is_unique_and_readable():
     c = fwd_config("fp16", 96, 128, 64, 8, 2, True)
     assert c.short_id() == "fwd-fp16-d96-causal-m128n64w8s2"
     assert fwd_config("bf16", 32, 128, 128, 4, 2, False).short_id() == "fwd-bf16-d32-full-m128n128w4s2"
+    assert forward_config(64, "bf16", True, 90, variant=True).short_id() == "fwd-bf16-d64-causal-var-m128n64w4s3"
+
+
+def test_variant_configs_mirror_the_plain_ones():
+    """Every plain instantiation has a variant twin; the variant tiles differ only where the plain
+    tile spills with the extra per-element work (recorded in config.py)."""
+    for arch in (80, 86, 90):
+        configs = all_forward_configs(arch)
+        plain = [c for c in configs if not c.variant]
+        variant = [c for c in configs if c.variant]
+        assert len(plain) == len(variant) == len(config.HEAD_DIM_BUCKETS) * 2 * 2
+        for c in plain:
+            twin = forward_config(c.head_dim, c.dtype, c.causal, arch, variant=True)
+            assert twin.variant and (twin.head_dim, twin.dtype, twin.causal) == (c.head_dim, c.dtype, c.causal)
+            if c.head_dim <= 192:
+                assert dataclasses.replace(twin, variant=False) == c
+        plan = backward_plan(128, "bf16", True, arch, variant=True)
+        assert all(k.variant for k in (*plan.main, plan.dq))
+        assert not plan.dot.variant and not plan.convert.variant
 
 
 # ---------------------------------------------------------------------------------- head_dim_bucket

@@ -14,8 +14,9 @@ import pytest
 
 import cuflash2
 from cuflash2 import reference
+from cuflash2 import reference
 from cuflash2.validate import (AttentionShape, TensorInfo, check_alignment, check_compute_capability,
-                               check_unsupported_options, softmax_scale_or_default, validate_out, validate_qkv)
+                               softmax_scale_or_default, validate_out, validate_qkv)
 
 BF16 = ml_dtypes.bfloat16
 
@@ -117,16 +118,14 @@ def test_validate_qkv_head_dim_mismatch():
         validate_qkv(q, kv, kv)
 
 
-def test_validate_qkv_batch_zero():
+def test_validate_qkv_batch_zero_is_allowed():
     q, kv = info((0, 5, 4, 64)), info((0, 7, 2, 64))
-    with raises(ValueError, "q:", "batch >= 1", "got 0"):
-        validate_qkv(q, kv, kv)
+    assert validate_qkv(q, kv, kv).batch == 0
 
 
-def test_validate_qkv_seqlen_q_zero():
+def test_validate_qkv_seqlen_q_zero_is_allowed():
     q, kv = info((1, 0, 4, 64)), info((1, 7, 2, 64))
-    with raises(ValueError, "q:", "seqlen_q >= 1", "got 0"):
-        validate_qkv(q, kv, kv)
+    assert validate_qkv(q, kv, kv).seqlen_q == 0
 
 
 def test_validate_qkv_seqlen_k_zero_is_allowed():
@@ -205,28 +204,6 @@ def test_softmax_scale_rejects_non_numbers(value):
 def test_softmax_scale_rejects_non_positive_or_non_finite(value):
     with raises(ValueError, "softmax_scale:", "finite positive", str(float(value))):
         softmax_scale_or_default(value, 64)
-
-
-# --------------------------------------------------------------------------- unsupported options
-
-
-def test_unsupported_options_defaults_pass():
-    check_unsupported_options()
-    check_unsupported_options(dropout_p=0.0, window_size=[-1, -1], softcap=0.0, alibi_slopes=None,
-                              return_attn_probs=False)
-
-
-@pytest.mark.parametrize("kwargs,fragments", [
-    ({"dropout_p": 0.1}, ("dropout_p", "0.0", "0.1")),
-    ({"window_size": (4, 0)}, ("window_size", "(4, 0)")),
-    ({"window_size": [-1, 8]}, ("window_size", "(-1, 8)")),
-    ({"softcap": 30.0}, ("softcap", "0.0", "30.0")),
-    ({"alibi_slopes": np.ones(4, np.float32)}, ("alibi_slopes",)),
-    ({"return_attn_probs": True}, ("return_attn_probs",)),
-])
-def test_unsupported_options_raise(kwargs, fragments):
-    with raises(NotImplementedError, *fragments):
-        check_unsupported_options(**kwargs)
 
 
 # -------------------------------------------------------------------------------- check_alignment
@@ -366,10 +343,14 @@ def test_api_bad_head_dim(rng, d, fragment):
         cuflash2.flash_attn_func(q, k, v)
 
 
-def test_api_batch_zero(rng):
-    q, k, v = arrays(rng, b=0)
-    with raises(ValueError, "q:", "batch >= 1", "got 0"):
-        cuflash2.flash_attn_func(q, k, v)
+@pytest.mark.parametrize("b,sq,sk", [(0, 5, 7), (2, 0, 7), (2, 0, 0), (0, 0, 0)])
+def test_api_zero_size_inputs_give_empty_or_zero_results(rng, b, sq, sk):
+    q, k, v = arrays(rng, b=b, sq=sq, sk=sk)
+    out, lse = cuflash2.flash_attn_forward(q, k, v)
+    assert out.shape == q.shape and lse.shape == (b, q.shape[2], sq)
+    grads = cuflash2.flash_attn_backward(np.ones_like(out), q, k, v, out, lse)
+    for g, x in zip(grads, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype and not g.astype(np.float32).any()
 
 
 @pytest.mark.parametrize("scale", [0, -1, float("nan"), float("inf")])
@@ -379,23 +360,51 @@ def test_api_bad_softmax_scale(rng, scale):
         cuflash2.flash_attn_func(q, k, v, softmax_scale=scale)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"dropout_p": 0.1}, "dropout_p"),
-    ({"window_size": (16, 0)}, "window_size"),
-    ({"softcap": 50.0}, "softcap"),
-    ({"alibi_slopes": np.ones((2, 4), np.float32)}, "alibi_slopes"),
+def _call_packed(func, q, k, v, **kwargs):
+    if func == "flash_attn_func":
+        return cuflash2.flash_attn_func(q, k, v, **kwargs)
+    if func == "flash_attn_kvpacked_func":
+        return cuflash2.flash_attn_kvpacked_func(q, np.stack([k, v], axis=2), **kwargs)
+    return cuflash2.flash_attn_qkvpacked_func(np.stack([q, k, v], axis=2), **kwargs)
+
+
+@pytest.mark.parametrize("func", ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"])
+def test_api_dropout_not_implemented(rng, func):
+    q, k, v = arrays(rng, sq=7, sk=7, hq=2, hk=2)
+    with raises(NotImplementedError, "dropout_p", "0.1"):
+        _call_packed(func, q, k, v, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"window_size": (3, 0)},
+    {"window_size": (2, 1), "causal": True},
+    {"softcap": 0.5},
+    {"alibi_slopes": np.array([[0.5, 0.25], [1.0, 2.0]], np.float32)},
+    {"alibi_slopes": np.array([0.5, 0.25], np.float32), "causal": True, "window_size": (4, -1), "softcap": 1.0},
 ])
 @pytest.mark.parametrize("func", ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"])
-def test_api_unsupported_options(rng, kwargs, name, func):
+def test_api_features_on_every_entry_point(rng, kwargs, func):
     q, k, v = arrays(rng, sq=7, sk=7, hq=2, hk=2)
-    if func == "flash_attn_func":
-        call = lambda: cuflash2.flash_attn_func(q, k, v, **kwargs)  # noqa: E731
-    elif func == "flash_attn_kvpacked_func":
-        call = lambda: cuflash2.flash_attn_kvpacked_func(q, np.stack([k, v], axis=2), **kwargs)  # noqa: E731
-    else:
-        call = lambda: cuflash2.flash_attn_qkvpacked_func(np.stack([q, k, v], axis=2), **kwargs)  # noqa: E731
-    with raises(NotImplementedError, name):
-        call()
+    out = _call_packed(func, q, k, v, **kwargs)
+    ref, _ = reference.attention_naive(q, k, v, **kwargs)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=3e-3)
+
+
+@pytest.mark.parametrize("kwargs,error,fragments", [
+    ({"window_size": (-2, 0)}, ValueError, ("window_size:", ">= -1", "(-2, 0)")),
+    ({"window_size": (1, 2, 3)}, TypeError, ("window_size:", "pair of ints")),
+    ({"window_size": 4}, TypeError, ("window_size:", "pair of ints", "4")),
+    ({"softcap": -1.0}, ValueError, ("softcap:", ">= 0", "-1.0")),
+    ({"softcap": float("nan")}, ValueError, ("softcap:", "finite", "nan")),
+    ({"softcap": "big"}, TypeError, ("softcap:", "float", "str")),
+    ({"alibi_slopes": np.ones(3, np.float32)}, ValueError, ("alibi_slopes:", "(2,) or (2, 2)", "(3,)")),
+    ({"alibi_slopes": np.ones(2, np.float64)}, TypeError, ("alibi_slopes:", "float32", "float64")),
+    ({"alibi_slopes": [0.5, 0.5]}, TypeError, ("alibi_slopes:", "NumPy array", "list")),
+])
+def test_api_bad_feature_options(rng, kwargs, error, fragments):
+    q, k, v = arrays(rng, sq=7, sk=7, hq=2, hk=2)
+    with raises(error, *fragments):
+        cuflash2.flash_attn_func(q, k, v, **kwargs)
 
 
 @pytest.mark.parametrize("which", ["k", "v"])

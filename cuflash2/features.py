@@ -1,0 +1,149 @@
+"""FlashAttention-2's optional features of one call (sliding window, softcap, ALiBi, varlen):
+validation and the kernel arguments they become. Pure functions over tensor descriptions.
+
+A call that uses none of them runs the plain kernels; any of them selects the variant kernels,
+which take the features as run-time parameters (kernels_cu/variant.cuh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .validate import AttentionShape, TensorInfo
+
+#: Window sides at or beyond this are unbounded (keeps the kernels' int arithmetic far from overflow).
+UNBOUNDED = 1 << 30
+LOG2_E = 1.0 / math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """The optional features of one call, validated. Window sides are -1 when unbounded."""
+
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi: TensorInfo | None = None  # fp32 (nheads,) or (batch, nheads)
+    cu_seqlens_q: TensorInfo | None = None  # int32 (batch + 1,)
+    cu_seqlens_k: TensorInfo | None = None
+    total_q: int = 0  # varlen: rows of the packed q and k tensors
+    total_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def is_plain(self, causal: bool) -> bool:
+        """True when the plain kernels compute this call exactly."""
+        window_plain = self.window_left < 0 and (self.window_right < 0 or (causal and self.window_right >= 0))
+        return window_plain and self.softcap == 0.0 and self.alibi is None and not self.varlen
+
+    @property
+    def modifies_scores(self) -> bool:
+        """Softcap or ALiBi: the kernels then compute natural-log logits before the softmax."""
+        return self.softcap > 0.0 or self.alibi is not None
+
+    def kernel_args(self, causal: bool, softmax_scale: float) -> tuple:
+        """(scale_log2, softmax_scale, cu_seqlens_q, cu_seqlens_k, window_left, window_right, softcap,
+        alibi_slopes, alibi_batch_stride) as the kernels take them."""
+        left = UNBOUNDED if self.window_left < 0 else min(self.window_left, UNBOUNDED)
+        right = UNBOUNDED if self.window_right < 0 else min(self.window_right, UNBOUNDED)
+        if causal:
+            right = 0
+        scale_log2 = LOG2_E if self.modifies_scores else softmax_scale * LOG2_E
+        alibi_ptr = self.alibi.data_ptr if self.alibi is not None else 0
+        alibi_batch_stride = self.alibi.strides[0] if self.alibi is not None and len(self.alibi.shape) == 2 else 0
+        return (np.float32(scale_log2), np.float32(softmax_scale),
+                np.uint64(self.cu_seqlens_q.data_ptr if self.varlen else 0),
+                np.uint64(self.cu_seqlens_k.data_ptr if self.varlen else 0),
+                np.int32(left), np.int32(right), np.float32(self.softcap),
+                np.uint64(alibi_ptr), np.int64(alibi_batch_stride))
+
+
+PLAIN = Features()
+
+
+def _expect(condition: bool, message: str, error=ValueError) -> None:
+    if not condition:
+        raise error(message)
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """(left, right) with -1 for an unbounded side."""
+    try:
+        left, right = window_size
+        left, right = int(left), int(right)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+    _expect(left >= -1 and right >= -1,
+            f"window_size: expected entries >= -1 (-1 = unbounded), got {(left, right)}")
+    return left, right
+
+
+def check_softcap(softcap) -> float:
+    try:
+        value = float(softcap)
+    except (TypeError, ValueError):
+        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}") from None
+    _expect(math.isfinite(value) and value >= 0.0, f"softcap: expected a finite number >= 0, got {value}")
+    return value
+
+
+def check_dropout(dropout_p) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p: only 0.0 is supported so far, got {dropout_p}")
+
+
+def check_alibi(info: TensorInfo, batch: int, nheads: int, device: str) -> None:
+    _expect(info.dtype == "float32", f"alibi_slopes: expected dtype float32, got {info.dtype}", TypeError)
+    _expect(info.shape in ((nheads,), (batch, nheads)),
+            f"alibi_slopes: expected shape ({nheads},) or ({batch}, {nheads}), got {info.shape}")
+    _expect(info.strides[-1] == 1 or info.shape[-1] == 1,
+            f"alibi_slopes: expected a contiguous last dim, got strides {info.strides}")
+    _expect(info.device == device, f"alibi_slopes: expected device {device} (same as q), got {info.device}")
+
+
+def check_cu_seqlens(name: str, info: TensorInfo, values, total: int, max_seqlen: int, batch: int | None,
+                     device: str) -> int:
+    """Checks cumulative sequence lengths (values: a host copy); returns the batch size."""
+    _expect(info.dtype == "int32", f"{name}: expected dtype int32, got {info.dtype}", TypeError)
+    _expect(len(info.shape) == 1 and info.shape[0] >= 2,
+            f"{name}: expected shape (batch + 1,) with batch >= 1, got {info.shape}")
+    _expect(info.strides[0] == 1, f"{name}: expected a contiguous array, got stride {info.strides[0]}")
+    _expect(info.device == device, f"{name}: expected device {device} (same as q), got {info.device}")
+    n = info.shape[0] - 1
+    if batch is not None:
+        _expect(n == batch, f"{name}: expected {batch + 1} entries (same batch as cu_seqlens_q), got {n + 1}")
+    values = np.asarray(values, dtype=np.int64)
+    _expect(values[0] == 0, f"{name}: expected the first entry to be 0, got {values[0]}")
+    lengths = np.diff(values)
+    _expect(bool((lengths >= 0).all()), f"{name}: expected non-decreasing values, got {values.tolist()[:16]}")
+    _expect(values[-1] <= total, f"{name}: expected the last entry <= {total} (rows of the packed tensor), "
+                                 f"got {values[-1]}")
+    longest = int(lengths.max())
+    _expect(longest <= max_seqlen, f"{name}: expected sequences of at most max_seqlen = {max_seqlen}, "
+                                   f"got one of {longest}")
+    return n
+
+
+def check_max_seqlen(name: str, value) -> int:
+    _expect(isinstance(value, (int, np.integer)) and not isinstance(value, bool),
+            f"{name}: expected an int, got {type(value).__name__}", TypeError)
+    _expect(value >= 0, f"{name}: expected >= 0, got {value}")
+    return int(value)
+
+
+def varlen_shape(q: TensorInfo, k: TensorInfo, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                 softmax_scale: float) -> AttentionShape:
+    """The AttentionShape the kernels see for a varlen call (seqlens are the maxima)."""
+    return AttentionShape(batch, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2], q.dtype,
+                          softmax_scale)
+
+
+def as_batched(info: TensorInfo, batch: int, max_seqlen: int) -> TensorInfo:
+    """A packed (total, nheads, dim) tensor described as (batch, max_seqlen, nheads, dim) with batch
+    stride 0: the kernels find each sequence through cu_seqlens."""
+    return dataclasses.replace(info, shape=(batch, max_seqlen, *info.shape[1:]), strides=(0, *info.strides))

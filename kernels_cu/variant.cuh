@@ -1,0 +1,110 @@
+// FlashAttention-2's optional features, as run-time parameters of the kernels instantiated with
+// kVariant = true (the plain kernels, kVariant = false, compile all of this away):
+//   varlen   packed sequences described by cumulative lengths cu_seqlens_q/k (int32, batch + 1);
+//   window   sliding-window mask (block_mask.cuh);
+//   softcap  s = softcap * tanh(scale * q.k / softcap);
+//   ALiBi    s -= slope[batch, head] * |i + seqlen_k - seqlen_q - j|.
+#pragma once
+#include "ptx.cuh"
+#include "block_mask.cuh"
+
+// Scalar kernel arguments of the optional features, gathered in one struct on the device side.
+struct VariantArgs {
+    const int* cu_seqlens_q;  // varlen: nullptr for fixed-length batches
+    const int* cu_seqlens_k;
+    int window_left, window_right;
+    float softcap;             // 0: off
+    const float* alibi_slopes; // nullptr: off; (batch, nheads) with batch stride alibi_batch_stride
+    i64 alibi_batch_stride;
+};
+
+#define CF_VARIANT_PARAMS                                                                            \
+    const int *__restrict__ cu_seqlens_q, const int *__restrict__ cu_seqlens_k, int window_left,     \
+        int window_right, float softcap, const float *__restrict__ alibi_slopes, i64 alibi_batch_stride
+#define CF_VARIANT_ARGS \
+    VariantArgs { cu_seqlens_q, cu_seqlens_k, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride }
+
+// Where batch entry `batch` lives. Fixed-length batches: the batch strides address it and the
+// (batch, nheads, seqlen_q) LSE layout applies. Varlen: every tensor is a packed (total, nheads,
+// dim) view (batch strides 0), a sequence starts at row cu_seqlens[batch], and the LSE is
+// (nheads, total_q), FA2's varlen layout.
+struct SeqRange {
+    int seqlen_q, seqlen_k;
+    int q_start, k_start;  // first row of this sequence in the packed view (0 when fixed-length)
+    i64 q_flat, k_flat;    // first row in the (batch * seqlen) flattening of fp32 scratch buffers
+    i64 lse_stride_h;      // LSE/D elements between heads
+    i64 lse_base;          // LSE/D index of (this batch, head 0, row 0)
+
+    template <bool kVariant>
+    CF_DEVICE static SeqRange make(const VariantArgs& va, int batch, int nheads, int seqlen_q, int seqlen_k) {
+        SeqRange r;
+        if (kVariant && va.cu_seqlens_q != nullptr) {
+            r.q_start = va.cu_seqlens_q[batch];
+            r.k_start = va.cu_seqlens_k[batch];
+            r.seqlen_q = va.cu_seqlens_q[batch + 1] - r.q_start;
+            r.seqlen_k = va.cu_seqlens_k[batch + 1] - r.k_start;
+            r.q_flat = r.q_start;
+            r.k_flat = r.k_start;
+            r.lse_stride_h = seqlen_q;  // varlen: the host passes total_q (rows of the packed q) here
+            r.lse_base = r.q_start;
+        } else {
+            r.q_start = r.k_start = 0;
+            r.seqlen_q = seqlen_q;
+            r.seqlen_k = seqlen_k;
+            r.q_flat = (i64)batch * seqlen_q;
+            r.k_flat = (i64)batch * seqlen_k;
+            r.lse_stride_h = seqlen_q;
+            r.lse_base = (i64)batch * nheads * seqlen_q;
+        }
+        return r;
+    }
+    CF_DEVICE i64 lse_offset(int head) const { return lse_base + head * lse_stride_h; }
+};
+
+template <bool kCausal, bool kVariant>
+CF_DEVICE BlockMask<kCausal, kVariant> make_mask(const SeqRange& seq, const VariantArgs& va) {
+    BlockMask<kCausal, kVariant> mask{seq.seqlen_q, seq.seqlen_k};
+    if (kVariant) {
+        mask.window_left = va.window_left;
+        mask.window_right = va.window_right;
+    }
+    return mask;
+}
+
+CF_DEVICE float tanh_accurate(float x) { return tanhf(x); }
+
+// Score modifiers applied to the raw products q.k before the softmax. When active they turn the
+// scores into natural-log-domain logits (the softmax then scales by log2(e) only), so the plain
+// scale folding of the kernels stays untouched when they are off.
+struct ScoreMod {
+    float softmax_scale;
+    float softcap;      // 0: off
+    float alibi_slope;  // 0: off
+    int shift;          // seqlen_k - seqlen_q
+    bool active;
+
+    CF_DEVICE static ScoreMod make(const VariantArgs& va, float softmax_scale, int batch, int head, int shift) {
+        ScoreMod m;
+        m.softmax_scale = softmax_scale;
+        m.softcap = va.softcap;
+        m.alibi_slope = va.alibi_slopes != nullptr ? va.alibi_slopes[batch * va.alibi_batch_stride + head] : 0.f;
+        m.shift = shift;
+        m.active = va.softcap > 0.f || va.alibi_slopes != nullptr;
+        return m;
+    }
+
+    // Logit of raw product s at (row, col); *dtanh receives d(logit)/d(scale * s) for the
+    // backward (1 - tanh^2 with softcap, else 1).
+    CF_DEVICE float apply(float s, int row, int col, float* dtanh = nullptr) const {
+        float logit;
+        if (softcap > 0.f) {
+            float t = tanh_accurate(s * softmax_scale / softcap);
+            logit = softcap * t;
+            if (dtanh) *dtanh = 1.f - t * t;
+        } else {
+            logit = s * softmax_scale;
+            if (dtanh) *dtanh = 1.f;
+        }
+        return logit - alibi_slope * fabsf((float)(row + shift - col));
+    }
+};
