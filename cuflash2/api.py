@@ -119,7 +119,7 @@ def forward_into(q, k, v, out, softmax_lse, softmax_scale=None, causal=False, wi
         shape, infos = _validated_inputs(call, q, k, v, softmax_scale)
         features = gpu_features(call, shape, infos[0].device, window, softcap, alibi_slopes)
         _, out_info = _output(call, out, shape, infos[0], q)
-        lse_info = call.tensor("softmax_lse", softmax_lse)
+        lse_info = call.output("softmax_lse", softmax_lse)
         expected = (shape.batch, shape.nheads, shape.seqlen_q)
         if lse_info.shape != expected or lse_info.dtype != "float32" or (all(expected) and lse_info.strides != (
                 shape.nheads * shape.seqlen_q, shape.seqlen_q, 1)):
@@ -139,7 +139,7 @@ def _output(call, out, shape: AttentionShape, q_info, q):
     """(array, info) of the output: the caller's `out` (validated) or a new array."""
     if out is None:
         return call.empty((shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim), shape.dtype, like=q)
-    info = call.tensor("out", out)
+    info = call.output("out", out)
     validate_out(info, shape)
     return out, info
 

@@ -42,7 +42,7 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
             if given is None:
                 array, info = call.empty(like_i.shape, like_i.dtype, like=like)
             else:
-                array, info = given, call.tensor(name, given)
+                array, info = given, call.output(name, given)
                 _check_like(name, info, like_i)
                 check_alignment(name, info)
             arrays.append(array)

@@ -89,6 +89,25 @@ class GpuCall:
                               f"cuda:{x.device.index}", x.data_ptr(), x.element_size())
         return describe(name, self.to_cupy(name, x))
 
+    def output(self, name: str, x) -> TensorInfo:
+        """Describe a caller-given output buffer. Never copies (the kernels must write into the
+        caller's memory), so a last dimension that is not contiguous is rejected."""
+        if self.framework == "torch":
+            if x.device.type != "cuda":
+                raise TypeError(f"{name}: expected a CUDA tensor, got a tensor on {x.device}")
+            info = TensorInfo(tuple(x.shape), tuple(x.stride()), _torch_dtype_name(x.dtype),
+                              f"cuda:{x.device.index}", x.data_ptr(), x.element_size())
+        else:
+            cp = import_cupy()
+            if framework_of(x, name) != "cupy":
+                _check_cuda(name, x)
+                x = cp.from_dlpack(x)
+            info = describe(name, x)
+        if info.shape and info.shape[-1] > 1 and info.strides[-1] != 1:
+            raise ValueError(f"{name}: expected an output with a contiguous last dim (stride 1), "
+                             f"got stride {info.strides[-1]}")
+        return info
+
     def to_cupy(self, name: str, x):
         """A CuPy view of a GPU input (zero-copy through DLPack, except the last-stride copy)."""
         cp = import_cupy()

@@ -153,7 +153,7 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         if out is None:
             out, out_info = call.empty(problem.q.shape, shape.dtype, like=q)
         else:
-            out_info = call.tensor("out", out)
+            out_info = call.output("out", out)
             _check_like("out", out_info, problem.q)
             check_alignment("out", out_info)
         lse, lse_info = call.empty((shape.nheads, problem.q.shape[0]), "float32")
@@ -285,7 +285,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu
             if given is None:
                 array, info = call.empty(like_i.shape, like_i.dtype, like=like)
             else:
-                array, info = given, call.tensor(name, given)
+                array, info = given, call.output(name, given)
                 _check_like(name, info, like_i)
                 check_alignment(name, info)
             arrays.append(array)

@@ -50,11 +50,16 @@ def _ref(cp, q, k, v, dout, options, low_precision=None):
 
 
 def _check(cp, name, got, ref, naive, factor):
+    eps = 2.0 ** -8 if np.dtype(got.dtype).name == "bfloat16" else 2.0 ** -11  # half an ulp, relative
     got = as_float32(cp, got)
     assert not bool(cp.isnan(got).any()), f"NaN in {name}"
     err = float(cp.abs(got - ref).max())
     naive_err = float(cp.abs(naive - ref).max())
-    assert err <= factor * naive_err + 1e-4, f"{name}: max error {err:.3e} > {factor} x naive {naive_err:.3e}"
+    # Storing the result rounds it: half an ulp of the largest value is unavoidable, and it is the
+    # whole error when the naive computation is exact (window (0, 0): P is one-hot).
+    rounding = eps * float(cp.abs(ref).max())
+    assert err <= factor * naive_err + rounding + 1e-4, \
+        f"{name}: max error {err:.3e} > {factor} x naive {naive_err:.3e} + rounding {rounding:.1e}"
 
 
 def _check_lse(cp, lse, ref_lse):

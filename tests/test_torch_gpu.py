@@ -37,15 +37,32 @@ def test_autograd_matches_float32_reference(causal, heads_kv):
         assert (got.float() - want).abs().max().item() < 5e-2 * max(1.0, want.abs().max().item())
 
 
-def test_opcheck():
+@pytest.mark.parametrize("options", [(-1, -1, 0.0, False), (16, -1, 5.0, True)], ids=["plain", "variant"])
+def test_opcheck(options):
     from cuflash2 import torch_ops
 
+    left, right, softcap, alibi = options
     q, k, v = (torch.randn(1, 70, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
-    torch.library.opcheck(torch_ops._flash_attn_fwd, (q, k, v, 0.125, True, False))
-    out, lse = torch_ops._flash_attn_fwd(q, k, v, 0.125, True, False)
+    slopes = torch.tensor([0.25, 0.5], device="cuda") if alibi else None
+    args = (0.125, True, left, right, softcap, slopes, False)
+    torch.library.opcheck(torch_ops._flash_attn_fwd, (q, k, v, *args))
+    out, lse = torch_ops._flash_attn_fwd(q, k, v, *args)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch_ops._flash_attn_bwd,
-                          (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), 0.125, True, False))
+                          (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *args))
+
+
+def test_opcheck_varlen():
+    from cuflash2 import torch_ops
+
+    q, k, v = (torch.randn(90, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 30, 90], dtype=torch.int32, device="cuda")
+    args = (cu, cu, 60, 60, 0.125, True, -1, -1, 0.0, None, False)
+    torch.library.opcheck(torch_ops._flash_attn_varlen_fwd, (q, k, v, *args))
+    out, lse = torch_ops._flash_attn_varlen_fwd(q, k, v, *args)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch_ops._flash_attn_varlen_bwd,
+                          (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *args))
 
 
 def test_torch_compile_fullgraph_forward_and_backward():
