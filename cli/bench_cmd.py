@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from . import bench_run, gpu
+from . import bench_run, decode_bench, gpu
 from .formats import FORMATS, Column, render, render_table
 from .options import COMPARE_CHOICES, parse_compare, parse_head_dims, parse_positive_ints, positive_int
 from .plot import plot_results, require_matplotlib
@@ -132,14 +132,21 @@ def emit(rows, fmt: str, output: str | None, env: dict) -> None:
               help="Write the chosen format to FILE (the table still goes to stdout).")
 @click.option("--plot", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Save TFLOP/s against seqlen to FILE.png (needs matplotlib).")
+@click.option("--decode", is_flag=True,
+              help="Decoding benchmark instead: one query token against a KV cache (32 query / 8 kv heads, "
+                   "head dim 128), GB/s of K+V read; --seqlen sets the cache lengths (default 2k,8k,32k,64k), "
+                   "--batch one batch size (default 1, 16 and 64).")
 def bench_command(mode, batch, seqlens, heads, head_dims, causal, dtype, compare, warmup, repeats, flush_l2, peak,
-                  fmt, output, plot) -> None:
+                  fmt, output, plot, decode) -> None:
     """Measure TFLOP/s and % of peak, beside torch SDPA backends.
 
     The default grid is FA2's benchmark: model dim 2048 (heads = 2048 / head dim), batch x seqlen =
     16384 tokens for seqlen 512..16384, head dims 64, 128, 256, causal and not, bf16. FLOPs follow
     FA2's convention (backward 2.5x, forward+backward 3.5x the forward count).
     """
+    if decode:
+        _decode(batch, seqlens, dtype, compare, warmup, repeats, fmt, output)
+        return
     require_backward(mode)
     if plot:
         require_matplotlib()
@@ -160,3 +167,32 @@ def bench_command(mode, batch, seqlens, heads, head_dims, causal, dtype, compare
     if plot:
         plot_results(rows, plot, f"{mode} {dtype} on {info.name}")
         click.echo(f"wrote {plot}", err=True)
+
+
+DECODE_COLUMNS = [
+    Column("impl", "impl", align="<"), Column("batch", "batch"), Column("kv_len", "kv len"),
+    Column("ms", "ms", ".4f"), Column("gbps", "GB/s", ".0f"), Column("speedup", "cuflash2/x", ".2f"),
+]
+
+
+def _decode(batch, seqlens, dtype, compare, warmup, repeats, fmt, output) -> None:
+    cp, reason = gpu.find_gpu()
+    if cp is None:
+        raise click.ClickException(gpu.no_gpu_error("bench", reason))
+    if compare:
+        require_torch()
+    problems = decode_bench.decode_grid((batch,) if batch else decode_bench.DEFAULT_BATCHES,
+                                        seqlens or decode_bench.DEFAULT_KV_LENS, dtype)
+    rows = decode_bench.run_decode(cp, problems, compare, warmup, repeats)
+    columns = DECODE_COLUMNS + ([ERROR_COLUMN] if any(r.get("error") for r in rows) else [])
+    text = render(fmt, rows, columns, {"benchmark": "decode", "heads": decode_bench.HEADS,
+                                       "kv_heads": decode_bench.KV_HEADS, "head_dim": decode_bench.HEAD_DIM})
+    info = gpu.gpu_info(cp)
+    context = (f"decode {dtype} on {info.name}: seqlen_q 1, {decode_bench.HEADS} query / {decode_bench.KV_HEADS} kv "
+               f"heads, head dim {decode_bench.HEAD_DIM}; GB/s = K+V bytes / time; median of {repeats} samples")
+    if output:
+        with open(output, "w") as f:
+            f.write(text)
+        click.echo(render_table(rows, columns) + "\n" + context)
+    else:
+        click.echo(text + ("\n" + context if fmt == "table" else ""))

@@ -79,6 +79,8 @@ def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ..
                 for variant in (False, True):
                     if "fwd" in kinds:
                         unique[cfg.forward_config(dim, dtype, causal, arch, variant)] = None
+                        unique[cfg.kvcache_config(dim, dtype, causal, arch)] = None
+                        unique.update(dict.fromkeys(cfg.kvcache_helper_configs(dtype)))
                     if "bwd" in kinds:
                         for atomic_dq in ((False,) if variant else (False, True)):
                             for gqa in (False, True):

@@ -21,6 +21,7 @@ from .api import (
     flash_attn_qkvpacked_func,
 )
 from .backward import flash_attn_backward
+from .kvcache import flash_attn_with_kvcache
 from .varlen import (
     flash_attn_varlen_backward,
     flash_attn_varlen_forward,
@@ -44,5 +45,6 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "varlen_attention_probs",
 ]

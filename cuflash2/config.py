@@ -30,8 +30,10 @@ SMEM_LIMIT_BYTES = {
 
 FWD, BWD, BWD_DQ, BWD_DOT, BWD_CONVERT = ("flash_fwd_kernel", "flash_bwd_kernel", "flash_bwd_dq_kernel",
                                           "flash_bwd_dot_do_o_kernel", "flash_bwd_convert_kernel")
+FWD_KVCACHE, ROTARY_COPY, FWD_COMBINE = "flash_fwd_kvcache_kernel", "rotary_copy_kernel", "flash_fwd_combine_kernel"
 SOURCE_FILE = {FWD: "flash_fwd.cu", BWD: "flash_bwd.cu", BWD_DQ: "flash_bwd_dq.cu",
-               BWD_DOT: "flash_bwd_prepost.cu", BWD_CONVERT: "flash_bwd_prepost.cu"}
+               BWD_DOT: "flash_bwd_prepost.cu", BWD_CONVERT: "flash_bwd_prepost.cu", FWD_KVCACHE: "flash_fwd.cu",
+               ROTARY_COPY: "kvcache.cu", FWD_COMBINE: "kvcache.cu"}
 _CPP_TYPE = {"bf16": "Bf16", "fp16": "Fp16"}
 
 
@@ -62,7 +64,7 @@ class KernelConfig:
     @property
     def smem_bytes(self) -> int:
         d, m, n = self.head_dim, self.block_m, self.block_n
-        if self.kernel == FWD:
+        if self.kernel in (FWD, FWD_KVCACHE):
             return m * d * 2 + self.stages * n * d * 2
         if self.kernel == BWD:
             with_dq = self.flags[2]
@@ -79,11 +81,13 @@ class KernelConfig:
         t, d, m, n, w, s, c, var = (_CPP_TYPE[self.dtype], self.head_dim, self.block_m, self.block_n, self.warps,
                                     self.stages, self.causal, self.variant)
         args = {FWD: cpp(t, d, m, n, w, s, c, var), BWD: cpp(t, d, m, n, w, s, c, var, *self.flags),
-                BWD_DQ: cpp(t, d, m, n, w, c, var), BWD_DOT: cpp(t, d), BWD_CONVERT: cpp(t)}[self.kernel]
+                BWD_DQ: cpp(t, d, m, n, w, c, var), BWD_DOT: cpp(t, d), BWD_CONVERT: cpp(t),
+                FWD_KVCACHE: cpp(t, d, m, n, w, s, c), ROTARY_COPY: cpp(t), FWD_COMBINE: cpp(t)}[self.kernel]
         return f"{self.kernel}<{args}>"
 
     def short_id(self) -> str:
-        name = {FWD: "fwd", BWD: "bwd", BWD_DQ: "bwd-dq", BWD_DOT: "bwd-dot", BWD_CONVERT: "bwd-convert"}[self.kernel]
+        name = {FWD: "fwd", BWD: "bwd", BWD_DQ: "bwd-dq", BWD_DOT: "bwd-dot", BWD_CONVERT: "bwd-convert",
+                FWD_KVCACHE: "fwd-kvcache", ROTARY_COPY: "rotary-copy", FWD_COMBINE: "fwd-combine"}[self.kernel]
         parts = [name, self.dtype]
         if self.head_dim:
             parts.append(f"d{self.head_dim}")
@@ -182,6 +186,37 @@ def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: 
     config = KernelConfig(FWD, dtype, bucket, block_m, block_n, warps, stages, bool(causal), variant=bool(variant))
     assert config.smem_bytes <= smem_limit(arch), f"{config.short_id()} needs {config.smem_bytes} B"
     return config
+
+
+# ---- KV cache (flash_attn_with_kvcache) -----------------------------------------------------------
+# Decoding reads the cache once per step and is bound by memory bandwidth, not MMA throughput: 64
+# query rows (4 warps x 16) waste little on short queries and leave room for 3 K/V stages in flight.
+# Head dims 224 and 256 need 8 warps (a 4-warp tile spills with the page-table addressing).
+_KVCACHE_TILES = {32: (64, 128, 4, 3), 64: (64, 128, 4, 2), 96: (64, 64, 4, 3), 128: (64, 64, 4, 3),
+                  160: (64, 32, 4, 3), 192: (64, 32, 4, 3), 224: (128, 32, 8, 2), 256: (128, 32, 8, 2)}
+
+
+@functools.lru_cache(maxsize=4096)
+def kvcache_config(head_dim: int, dtype: str, causal: bool, arch: int) -> KernelConfig:
+    """Tile shape of the KV-cache forward kernel (always with the optional features available)."""
+    _check_dtype(dtype)
+    bucket = head_dim_bucket(head_dim)
+    block_m, block_n, warps, stages = _KVCACHE_TILES[bucket]
+    config = KernelConfig(FWD_KVCACHE, dtype, bucket, block_m, block_n, warps, stages, bool(causal), variant=True)
+    assert config.smem_bytes <= smem_limit(arch), f"{config.short_id()} needs {config.smem_bytes} B"
+    return config
+
+
+def kvcache_helper_configs(dtype: str) -> tuple[KernelConfig, KernelConfig]:
+    """(rotary/append copy, split-KV combine) for one dtype."""
+    _check_dtype(dtype)
+    return KernelConfig(ROTARY_COPY, dtype, warps=8), KernelConfig(FWD_COMBINE, dtype, warps=8)
+
+
+def all_kvcache_configs(arch: int) -> list[KernelConfig]:
+    configs = [kvcache_config(bucket, dtype, causal, arch)
+               for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)]
+    return configs + [c for dtype in DTYPES for c in kvcache_helper_configs(dtype)]
 
 
 # ---- backward -----------------------------------------------------------------------------------
@@ -291,4 +326,4 @@ def tuning_backward_configs(arch: int) -> list[KernelConfig]:
 
 
 def all_configs(arch: int) -> list[KernelConfig]:
-    return all_forward_configs(arch) + all_backward_configs(arch)
+    return all_forward_configs(arch) + all_backward_configs(arch) + all_kvcache_configs(arch)

@@ -4,6 +4,9 @@
 // K and V tiles stream through a kStages-deep ring of shared-memory slots filled by cp.async;
 // the sequence of tiles is K_n, V_n, K_(n-1), V_(n-1), ... (key blocks from last to first, so the
 // few blocks that need a causal or tail mask come first and every later block runs unmasked).
+//
+// Two entry points share the body: flash_fwd_kernel (dense batches, plain or variant) and
+// flash_fwd_kvcache_kernel (flash_attn_with_kvcache: cache lengths, paged K/V, split-KV).
 #include "ptx.cuh"
 #include "smem_tile.cuh"
 #include "block_mask.cuh"
@@ -55,32 +58,70 @@ CF_DEVICE void apply_score_mod(float (&s)[Tr::kMTiles][Tr::kNTiles][4], const Sc
                                          col0 + nt * 8 + (lane & 3) * 2 + (i & 1));
 }
 
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal, bool kVariant>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                 u16* __restrict__ o, float* __restrict__ lse,
-                 i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
-                 i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
-                 i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
-                 i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
-                 int seqlen_q, int seqlen_k, int head_dim, int kv_group, float scale_log2, float softmax_scale,
-                 CF_VARIANT_PARAMS) {
+#define CF_FWD_PARAMS                                                                                   \
+    const u16 *__restrict__ q, const u16 *__restrict__ k, const u16 *__restrict__ v, u16 *__restrict__ o, \
+        float *__restrict__ lse, i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride, i64 k_batch_stride, \
+        i64 k_row_stride, i64 k_head_stride, i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,       \
+        i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride, int seqlen_q, int seqlen_k, int head_dim,  \
+        int kv_group, float scale_log2, float softmax_scale
+#define CF_FWD_ARGS                                                                                      \
+    q, k, v, o, lse, q_batch_stride, q_row_stride, q_head_stride, k_batch_stride, k_row_stride, k_head_stride, \
+        v_batch_stride, v_row_stride, v_head_stride, o_batch_stride, o_row_stride, o_head_stride, seqlen_q,     \
+        seqlen_k, head_dim, kv_group, scale_log2, softmax_scale
+
+// Split-KV: this split's partial output (normalised over its own keys) and LSE, in fp32.
+template <class Tr>
+CF_DEVICE void store_partial(const float (&acc_o)[Tr::kMTiles][Tr::kDTiles][4], const float (&inv_sum)[Tr::kMTiles][2],
+                             const float (&row_lse)[Tr::kMTiles][2], float* o_rows, float* lse_rows, int warp_row0,
+                             int rows_left, int head_dim, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp_row0 + mt * 16 + lane / 4 + 8 * r;
+            if (row >= rows_left) continue;
+            if (lane % 4 == 0) lse_rows[row] = row_lse[mt][r];
+#pragma unroll
+            for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+                const int col = dt * 8 + (lane % 4) * 2;
+                if (col < head_dim) {
+                    float* dst = o_rows + (i64)row * head_dim + col;
+                    dst[0] = acc_o[mt][dt][2 * r] * inv_sum[mt][r];
+                    dst[1] = acc_o[mt][dt][2 * r + 1] * inv_sum[mt][r];
+                }
+            }
+        }
+}
+
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal, bool kVariant,
+          bool kKvCache>
+CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCacheArgs& kc) {
     using Tr = FwdTraits<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kCausal>;
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    // Split-KV packs (split, query block) into blockIdx.x.
+    const int m_blocks = kKvCache ? (seqlen_q + kBlockM - 1) / kBlockM : gridDim.x;
+    const int split = kKvCache ? blockIdx.x / m_blocks : 0;
+    const int m_index = kKvCache ? blockIdx.x % m_blocks : blockIdx.x;
     // Causal: the last query blocks have the most keys to visit; schedule them first.
-    const int m_block = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int m_block = kCausal ? m_blocks - 1 - m_index : m_index;
     const int head = blockIdx.y, batch = blockIdx.z, kv_head = head / kv_group;
-    const VariantArgs va = CF_VARIANT_ARGS;
-    const SeqRange seq = SeqRange::make<kVariant>(va, batch, gridDim.y, seqlen_q, seqlen_k);
+    const SeqRange seq = kKvCache ? kvcache_seq_range(kc, batch, gridDim.y, seqlen_q)
+                                  : SeqRange::make<kVariant>(va, batch, gridDim.y, seqlen_q, seqlen_k);
     if (kVariant && m_block * kBlockM >= seq.seqlen_q) return;  // varlen: past this sequence's end
     const auto mask = make_mask<kCausal, kVariant>(seq, va);
     const ScoreMod mod = ScoreMod::make(va, softmax_scale, batch, head, seq.seqlen_k - seq.seqlen_q);
+    // seqlen_k is 0 when the cache index is out of range, so kv_batch is then never dereferenced.
+    const int kv_batch = kKvCache && kc.cache_batch_idx != nullptr ? kc.cache_batch_idx[batch] : batch;
+    const bool paged = kKvCache && kc.block_table != nullptr;
 
     const u16* q_blk = q + batch * q_batch_stride + head * q_head_stride +
                        ((i64)seq.q_start + m_block * kBlockM) * q_row_stride;
-    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride + (i64)seq.k_start * k_row_stride;
-    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride + (i64)seq.k_start * v_row_stride;
+    // Paged caches: batch strides are page strides, and rows are found through the page table.
+    const u16* k_head = k + (paged ? 0 : kv_batch * k_batch_stride) + kv_head * k_head_stride +
+                        (paged ? 0 : (i64)seq.k_start * k_row_stride);
+    const u16* v_head = v + (paged ? 0 : kv_batch * v_batch_stride) + kv_head * v_head_stride +
+                        (paged ? 0 : (i64)seq.k_start * v_row_stride);
     u16* o_blk = o + batch * o_batch_stride + head * o_head_stride + ((i64)seq.q_start + m_block * kBlockM) * o_row_stride;
     float* lse_blk = lse + seq.lse_offset(head) + m_block * kBlockM;
     const int rows_left = seq.seqlen_q - m_block * kBlockM;
@@ -88,9 +129,15 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 
     const u32 q_smem = smem_addr(smem);
     const u32 kv_smem = q_smem + Tr::QTile::kBytes;
-    // Key blocks n_end - 1 down to n_begin (a sliding window skips the blocks left of it).
-    const int n_begin = mask.key_block_begin(m_block, kBlockM, kBlockN);
-    const int n_end = mask.key_block_end(m_block, kBlockM, kBlockN);
+    // Key blocks n_end - 1 down to n_begin (a sliding window skips the blocks left of it; split-KV
+    // gives each split an equal share of them).
+    int n_begin = mask.key_block_begin(m_block, kBlockM, kBlockN);
+    int n_end = mask.key_block_end(m_block, kBlockM, kBlockN);
+    if (kKvCache && kc.num_splits > 1) {
+        const int per_split = (n_end - n_begin + kc.num_splits - 1) / kc.num_splits;
+        n_begin += split * per_split;
+        n_end = min(n_end, n_begin + per_split);
+    }
     const int n_blocks = n_end - n_begin;
 
     float acc_o[Tr::kMTiles][Tr::kDTiles][4];
@@ -101,12 +148,26 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     // Tile t of the K/V stream: K of key block n_end-1-t/2 when t is even, V of it when odd.
     const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> k_loader(tid, k_row_stride);
     const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> v_loader(tid, v_row_stride);
+    const PagedTileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> paged_loader(tid);
+    const int* pages = paged ? kc.block_table + batch * kc.block_table_stride : nullptr;
     auto load_kv_tile = [&](int t) {
         if (t < 2 * n_blocks) {
             const int n_block = n_end - 1 - t / 2;
             const u32 slot = kv_smem + (t % kStages) * Tr::KVTile::kBytes;
-            if (t % 2 == 0) k_loader.load(slot, k_head + (i64)n_block * kBlockN * k_row_stride, seq.seqlen_k - n_block * kBlockN, head_dim);
-            else v_loader.load(slot, v_head + (i64)n_block * kBlockN * v_row_stride, seq.seqlen_k - n_block * kBlockN, head_dim);
+            const int keys_left = seq.seqlen_k - n_block * kBlockN;
+            if (paged) {
+                const int first_row = seq.k_start + n_block * kBlockN;
+                if (t % 2 == 0)
+                    paged_loader.load(slot, k_head, k_batch_stride, k_row_stride, pages, kc.page_size, kc.cache_entries,
+                                      first_row, keys_left, head_dim);
+                else
+                    paged_loader.load(slot, v_head, v_batch_stride, v_row_stride, pages, kc.page_size, kc.cache_entries,
+                                      first_row, keys_left, head_dim);
+            } else if (t % 2 == 0) {
+                k_loader.load(slot, k_head + (i64)n_block * kBlockN * k_row_stride, keys_left, head_dim);
+            } else {
+                v_loader.load(slot, v_head + (i64)n_block * kBlockN * v_row_stride, keys_left, head_dim);
+            }
         }
         cp_async_commit();
     };
@@ -147,6 +208,13 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     // warp ever read them) and store it with 16-byte writes.
     float inv_sum[Tr::kMTiles][2], row_lse[Tr::kMTiles][2];
     softmax.finalize(inv_sum, row_lse, scale_log2);
+    if (kKvCache && kc.num_splits > 1) {
+        cp_async_wait<0>();
+        const i64 rows = (((i64)split * gridDim.z + batch) * gridDim.y + head) * seqlen_q + m_block * kBlockM;
+        store_partial<Tr>(acc_o, inv_sum, row_lse, kc.o_partial + rows * head_dim, kc.lse_partial + rows, warp_row0,
+                          rows_left, head_dim, lane);
+        return;
+    }
     cp_async_wait<0>();
     __syncwarp();
 #pragma unroll
@@ -164,4 +232,19 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     __syncwarp();
     store_tile<typename Tr::QTile, Tr::kWarpRows, kHeadDim, 32>(smem, warp_row0, o_blk + warp_row0 * o_row_stride,
                                                                  o_row_stride, rows_left - warp_row0, head_dim, lane);
+}
+
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal, bool kVariant>
+__global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS) {
+    flash_fwd_body<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kCausal, kVariant, false>(
+        CF_FWD_ARGS, CF_VARIANT_ARGS, KvCacheArgs{});
+}
+
+// flash_attn_with_kvcache: q against a (possibly paged) cache whose new rows are already appended.
+// Grid: (query blocks x splits, heads, batch). The optional features stay available (variant body).
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_fwd_kvcache_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS, CF_KVCACHE_PARAMS) {
+    flash_fwd_body<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kCausal, true, true>(
+        CF_FWD_ARGS, CF_VARIANT_ARGS, CF_KVCACHE_ARGS);
 }

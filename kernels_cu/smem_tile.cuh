@@ -94,6 +94,50 @@ struct TileLoader {
     }
 };
 
+// TileLoader for a paged KV cache: logical row r of a sequence lives in page pages[r / page_size]
+// at row r % page_size, so each row gets its own address (any page size works). Same thread layout
+// and swizzle as TileLoader; rows past valid_rows are zero-filled and never looked up.
+template <class Tile, int kRows, int kCols, int kThreads>
+struct PagedTileLoader {
+    using Dense = TileLoader<Tile, kRows, kCols, kThreads>;
+    int row0, col0, swizzled;
+
+    CF_DEVICE explicit PagedTileLoader(int tid) {
+        row0 = tid / Dense::kCpr;
+        int chunk = tid % Dense::kCpr;
+        col0 = chunk * 8;
+        swizzled = chunk ^ Tile::swizzle(row0);
+    }
+
+    // Rows [first_row, first_row + kRows) of the sequence whose page list is `pages`; `head_base`
+    // points at this head's column 0 of page 0.
+    // Page ids outside [0, num_pages) read as zeros.
+    CF_DEVICE void load(u32 smem_tile, const u16* head_base, i64 page_stride, i64 row_stride, const int* pages,
+                        int page_size, int num_pages, int first_row, int valid_rows, int valid_cols) const {
+#pragma unroll
+        for (int it = 0; it < Dense::kRowIters; ++it) {
+            const int row = row0 + it * Dense::kRowsPerIter;
+            if (kRows % Dense::kRowsPerIter == 0 || row < kRows) {
+                bool row_ok = row < valid_rows;
+                const u16* src_row = head_base;
+                if (row_ok) {
+                    const int logical = first_row + row;
+                    const int page = pages[logical / page_size];
+                    row_ok = (unsigned)page < (unsigned)num_pages;
+                    src_row += row_ok ? page * page_stride + (i64)(logical % page_size) * row_stride : 0;
+                }
+                const int chunk = swizzled ^ Tile::swizzle(it * Dense::kRowsPerIter);
+#pragma unroll
+                for (int p = 0; p < Dense::kPanels; ++p) {
+                    const bool valid = row_ok && p * Tile::kPanelCols + col0 < valid_cols;
+                    cp_async_16(smem_tile + p * Tile::kPanelBytes + row * Tile::kRowBytes + (chunk << 4),
+                                valid ? src_row + col0 + p * Tile::kPanelCols : head_base, valid);
+                }
+            }
+        }
+    }
+};
+
 // Copy rows [row0, row0 + kRowsCopied) of a swizzled shared tile to global memory with 16-byte
 // stores, skipping rows >= valid_rows and columns >= valid_cols. `lane`/`kLanes` spread the chunks
 // over the threads taking part (a warp or the whole block).

@@ -37,8 +37,8 @@ def attention_backward_ref(xp, q, k, v, dout, causal=False, softmax_scale=None, 
     dq = rnd(xp.einsum("bhqk,bkhd->bqhd", ds, kr) * scale)
     dk = rnd(xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale)
     b, _, hk, _ = k.shape
-    dk = dk.reshape(b, sk, hk, group, d).sum(axis=3)
-    dv = dv.reshape(b, sk, hk, group, d).sum(axis=3)
+    dk = rnd(dk.reshape(b, sk, hk, group, d).sum(axis=3))  # the group sum is stored rounded too
+    dv = rnd(dv.reshape(b, sk, hk, group, d).sum(axis=3))
     return dq.astype(xp.float32), dk.astype(xp.float32), dv.astype(xp.float32)
 
 
@@ -94,6 +94,6 @@ def attention_features_ref(xp, q, k, v, dout=None, causal=False, softmax_scale=N
     dq = rnd(xp.einsum("bhqk,bkhd->bqhd", ds, kr) * scale)
     dk = rnd(xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale)
     hk = k.shape[2]
-    dk = dk.reshape(b, sk, hk, group, d).sum(axis=3)
-    dv = dv.reshape(b, sk, hk, group, d).sum(axis=3)
+    dk = rnd(dk.reshape(b, sk, hk, group, d).sum(axis=3))
+    dv = rnd(dv.reshape(b, sk, hk, group, d).sum(axis=3))
     return tuple(x.astype(xp.float32) for x in (out, lse, dq, dk, dv))

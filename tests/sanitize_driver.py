@@ -43,3 +43,40 @@ for b, sq, sk, h, hk, d, causal, dtype in CASES:
     for g in (*grads, *atomic):
         assert bool(cp.isfinite(as_float32(cp, g)).all())
     print(f"ok b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} {np.dtype(dtype).name}", flush=True)
+
+# Variant kernels (window, softcap, ALiBi) forward and backward, and varlen.
+for b, sq, sk, h, hk, d, causal, dtype in CASES[:3]:
+    q, k, v, dout = arrays((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d), dtype=dtype)
+    slopes = cp.asarray(np.linspace(0.1, 0.5, h, dtype=np.float32))
+    options = dict(causal=causal, window_size=(11, 5), softcap=4.0, alibi_slopes=slopes)
+    out, lse = cuflash2.flash_attn_forward(q, k, v, **options)
+    grads = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, **options)
+    cp.cuda.get_current_stream().synchronize()
+    assert all(bool(cp.isfinite(as_float32(cp, g)).all()) for g in grads)
+    print(f"ok variant b={b} sq={sq} sk={sk} d={d} causal={causal}", flush=True)
+
+lens_q, lens_k = [5, 0, 37, 16], [9, 3, 50, 0]
+cu_q = cp.asarray(np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32))
+cu_k = cp.asarray(np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32))
+for d in (64, 128):
+    q, k, v, dout = arrays((sum(lens_q), 4, d), (sum(lens_k), 2, d), (sum(lens_k), 2, d), (sum(lens_q), 4, d))
+    out, lse = cuflash2.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    grads = cuflash2.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                causal=True)
+    cp.cuda.get_current_stream().synchronize()
+    print(f"ok varlen d={d}", flush=True)
+
+# KV cache: append with rotary into a paged cache (odd page size), split-KV and its combine kernel.
+for d, page, splits in ((64, 5, 3), (128, 16, 1), (256, 7, 0)):
+    q, k_new, v_new = arrays((2, 2, 4, d), (2, 2, 2, d), (2, 2, 2, d))
+    pages_k, pages_v = arrays((9, page, 2, d), (9, page, 2, d))
+    per_seq = 4
+    table = cp.asarray(rng.permutation(9)[:2 * per_seq].reshape(2, per_seq).astype(np.int32))
+    seqlens = cp.asarray(np.array([3, 4 * page - 2], np.int32))
+    theta = rng.uniform(0, 6.28, (4 * page + 4, d // 4))
+    cos, sin = cp.asarray(np.cos(theta).astype(np.float32)), cp.asarray(np.sin(theta).astype(np.float32))
+    out = cuflash2.flash_attn_with_kvcache(q, pages_k, pages_v, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                           cache_seqlens=seqlens, block_table=table, causal=True, num_splits=splits)
+    cp.cuda.get_current_stream().synchronize()
+    assert bool(cp.isfinite(as_float32(cp, out)).all())
+    print(f"ok kvcache d={d} page={page} splits={splits}", flush=True)

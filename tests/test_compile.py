@@ -50,6 +50,11 @@ def test_compile_forward(arch, config):
     _check_compiles(arch, config)
 
 
+@pytest.mark.parametrize("arch,config", _cases(cfg.all_kvcache_configs))
+def test_compile_kvcache(arch, config):
+    _check_compiles(arch, config)
+
+
 # Backward kernels, where the library has them (every instantiation of every backward plan).
 @pytest.mark.parametrize("arch,config", _cases(getattr(cfg, "all_backward_configs", lambda arch: [])))
 def test_compile_backward(arch, config):

@@ -103,7 +103,9 @@ def test_cli_compile_offline():
         assert "regs=" in line and "sm_80" in line and "-bf16" in line, line
         assert line.startswith("ok"), line
     forward = [line for line in lines if "fwd-bf16-d64-" in line]
-    assert len(forward) == 2, result.output  # one bucket x one dtype x (full, causal)
+    assert len(forward) == 4, result.output  # one bucket x one dtype x (full, causal) x (plain, variant)
+    assert sum("-var-" in line for line in forward) == 2, result.output
+    assert sum("fwd-kvcache-bf16-d64-" in line for line in lines) == 2, result.output
     assert {"full", "causal"} == {re.search(r"-(full|causal)-", line).group(1) for line in forward}
     backward = [line for line in lines if " bwd-" in line]
     assert any("bwd-dq-bf16-d64-" in line for line in backward), result.output
@@ -115,8 +117,8 @@ def test_cli_compile_two_archs_dedups_head_dims():
     # 40 and 64 share the 64 bucket: one kernel per (arch, dtype, mask)
     result = run_cli("compile", "--arch", "sm_80,sm_90", "--head-dims", "40,64", "--dtypes", "fp16")
     assert result.exit_code == 0, combined_output(result)
-    lines = [line for line in result.output.splitlines() if "regs=" in line and " fwd-" in line]
-    assert len(lines) == 4, result.output
+    lines = [line for line in result.output.splitlines() if "regs=" in line and " fwd-fp16" in line]
+    assert len(lines) == 8, result.output  # 2 archs x (full, causal) x (plain, variant)
 
 
 @pytest.mark.parametrize("args,fragments", [

@@ -1,0 +1,423 @@
+"""Inference with a KV cache: FlashAttention-2's flash_attn_with_kvcache.
+
+Flow of one GPU call: validate shapes on the host (device values such as cache_seqlens are never
+read back, so a decoding step does not synchronise) -> append the new k/v rows to the cache in place
+(rotary embedding applied to k on the way) -> rotate q into a scratch copy if asked -> attention of q
+against the cache, split over the keys when the grid alone would not fill the GPU (split-KV), then
+the partial results combined by their LSEs.
+
+Semantics (FA2's): k_cache/v_cache are (batch_cache, seqlen_cache, nheads_kv, headdim), or with
+block_table (num_pages, page_size, nheads_kv, headdim) pages listed per sequence in block_table
+(batch, max_pages) int32; any page size works. cache_seqlens (int or int32 (batch,)) are the cache
+lengths before appending; sequence b attends to cache rows [cache_leftpad[b], cache_seqlens[b] +
+seqlen_new). Masks are bottom-right aligned on those keys. Rotary positions count from
+cache_leftpad: new key i sits at cache_seqlens[b] - leftpad + i; q rows at the same positions when
+causal or windowed, all at cache_seqlens[b] - leftpad otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from . import interop, launch, reference
+from .api import gpu_features, numpy_alibi
+from .config import kvcache_config, kvcache_helper_configs
+from .features import Features, check_softcap, check_window
+from .validate import AttentionShape, TensorInfo, validate_qkv
+
+_THREADS = 256
+_MAX_SPLITS = 128
+
+
+def num_splits_heuristic(blocks: int, slots: int, key_blocks: int, max_splits: int = _MAX_SPLITS) -> int:
+    """Splits of the key range that fill `slots` concurrent thread blocks best (pure).
+
+    blocks: thread blocks without splitting; key_blocks: key blocks per sequence (upper bound).
+    When even the largest split fits in one wave it is taken (decoding is bound by memory traffic,
+    so more blocks in flight is better). Otherwise the waves of blocks * splits over the slots should
+    end as full as possible; among splits within 15% of the best wave efficiency the smallest wins
+    (fewer partial results to combine).
+    """
+    if blocks <= 0 or key_blocks <= 1 or blocks >= 0.8 * slots:
+        return 1
+    limit = max(1, min(max_splits, slots, key_blocks))
+    if blocks * limit <= slots:  # everything fits in one wave: as many blocks in flight as possible
+        return limit
+
+    def efficiency(splits: int) -> float:
+        waves = blocks * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, limit + 1))
+    return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.85 * best)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cache:
+    """Validated description of a call."""
+
+    batch: int
+    seqlen_q: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    seqlen_new: int  # rows of k/v to append (0: none)
+    cache_rows: int  # rows per sequence the cache can hold
+    cache_entries: int  # batch_cache, or pages when paged
+    page_size: int  # 0 when not paged
+    rotary_dim: int  # 0 without rotary
+    shape: AttentionShape  # q against the cache as the kernels see it (seqlen_k = cache_rows)
+
+
+def _expect(condition: bool, message: str, error=ValueError) -> None:
+    if not condition:
+        raise error(message)
+
+
+def _check_index_array(name: str, info: TensorInfo | None, shape: tuple, device: str) -> None:
+    if info is None:
+        return
+    _expect(info.dtype == "int32", f"{name}: expected dtype int32, got {info.dtype}", TypeError)
+    _expect(tuple(info.shape) == shape, f"{name}: expected shape {shape}, got {tuple(info.shape)}")
+    _expect(info.device == device, f"{name}: expected device {device} (same as q), got {info.device}")
+    _expect(not info.shape or info.strides[-1] == 1 or info.shape[-1] == 1,
+            f"{name}: expected a contiguous last dim, got strides {info.strides}")
+
+
+def validate_kvcache(q: TensorInfo, k_cache: TensorInfo, v_cache: TensorInfo, k: TensorInfo | None,
+                     v: TensorInfo | None, rotary_cos: TensorInfo | None, rotary_sin: TensorInfo | None,
+                     cache_seqlens: TensorInfo | None, cache_batch_idx: TensorInfo | None,
+                     cache_leftpad: TensorInfo | None, block_table: TensorInfo | None, softmax_scale=None,
+                     check_pointers: bool = True) -> _Cache:
+    """Shapes, dtypes and devices of a flash_attn_with_kvcache call (pure; values are not read)."""
+    _expect(len(q.shape) == 4, f"q: expected 4 dims (batch, seqlen_q, nheads, headdim), got shape {q.shape}")
+    for name, info in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _expect(len(info.shape) == 4, f"{name}: expected 4 dims, got shape {info.shape}")
+    _expect(v_cache.shape == k_cache.shape, f"v_cache: expected shape {k_cache.shape} (same as k_cache), "
+                                            f"got {v_cache.shape}")
+    batch, seqlen_q, nheads, head_dim = q.shape
+    entries, rows, nheads_kv, cache_dim = k_cache.shape
+    _expect(cache_dim == head_dim, f"k_cache: expected head dim {head_dim} (same as q), got {cache_dim}")
+    # Reuse the dense checks for dtypes, heads, head dim and alignment: q against a cache-shaped k.
+    fake_kv = dataclasses.replace(k_cache, shape=(batch, rows, nheads_kv, head_dim))
+    shape = validate_qkv(q, fake_kv, dataclasses.replace(v_cache, shape=fake_kv.shape), softmax_scale,
+                         check_pointers=check_pointers)
+    page_size = 0
+    if block_table is not None:
+        _expect(len(block_table.shape) == 2 and block_table.shape[0] == batch,
+                f"block_table: expected shape ({batch}, max_pages), got {tuple(block_table.shape)}")
+        _check_index_array("block_table", block_table, tuple(block_table.shape), q.device)
+        _expect(cache_batch_idx is None, "cache_batch_idx: expected None with block_table (pages are per sequence)")
+        page_size = rows
+        rows = page_size * block_table.shape[1]
+    else:
+        _expect(cache_batch_idx is not None or entries >= batch,
+                f"k_cache: expected a batch of at least {batch} (q's) without cache_batch_idx, got {entries}")
+    seqlen_new = 0
+    _expect((k is None) == (v is None), "k: expected k and v to be given together, got only one of them")
+    if k is not None:
+        for name, info, like in (("k", k, k_cache), ("v", v, v_cache)):
+            _expect(len(info.shape) == 4 and info.shape[0] == batch and info.shape[2:] == (nheads_kv, head_dim),
+                    f"{name}: expected shape ({batch}, seqlen_new, {nheads_kv}, {head_dim}), got {info.shape}")
+            _expect(info.dtype == q.dtype, f"{name}: expected dtype {q.dtype} (same as q), got {info.dtype}",
+                    TypeError)
+            _expect(info.device == q.device, f"{name}: expected device {q.device} (same as q), got {info.device}")
+        _expect(v.shape == k.shape, f"v: expected shape {k.shape} (same as k), got {v.shape}")
+        _expect(cache_seqlens is not None, "cache_seqlens: required when k and v are appended to the cache")
+        seqlen_new = k.shape[1]
+    _expect(seqlen_new <= rows, f"k: expected at most {rows} new rows (the cache size), got {seqlen_new}")
+    for name, info in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                       ("cache_leftpad", cache_leftpad)):
+        _check_index_array(name, info, (batch,), q.device)
+    rotary_dim = 0
+    _expect((rotary_cos is None) == (rotary_sin is None), "rotary_cos: expected rotary_cos and rotary_sin together")
+    if rotary_cos is not None:
+        for name, info in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            _expect(len(info.shape) == 2, f"{name}: expected shape (seqlen_ro, rotary_dim / 2), got {info.shape}")
+            _expect(info.dtype in ("float16", "bfloat16", "float32"),
+                    f"{name}: expected a float16, bfloat16 or float32 array, got {info.dtype}", TypeError)
+            _expect(info.device == q.device, f"{name}: expected device {q.device} (same as q), got {info.device}")
+        _expect(rotary_sin.shape == rotary_cos.shape,
+                f"rotary_sin: expected shape {rotary_cos.shape} (same as rotary_cos), got {rotary_sin.shape}")
+        rotary_dim = 2 * rotary_cos.shape[1]
+        _expect(0 < rotary_dim <= head_dim, f"rotary_cos: expected 1 to {head_dim // 2} columns (rotary_dim / 2), "
+                                            f"got {rotary_cos.shape[1]}")
+        _expect(rotary_cos.shape[0] >= 1, "rotary_cos: expected at least one position")
+    return _Cache(batch, seqlen_q, nheads, nheads_kv, head_dim, seqlen_new, rows, entries, page_size, rotary_dim,
+                  dataclasses.replace(shape, seqlen_k=rows))
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of q against a KV cache, appending k/v to it in place first (see the module doc).
+
+    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse (batch, nheads, seqlen_q))
+    with return_softmax_lse. num_splits: 0 picks a split of the keys that fills the GPU; 1 disables
+    split-KV. No autograd (inference). Like FA2, out-of-range values in the device arrays
+    (cache_seqlens, cache_batch_idx, block_table, ...) are not checked on the host; the kernels
+    clamp or skip them, so they never read or write outside the given buffers.
+    """
+    window, softcap = check_window(window_size), check_softcap(softcap)
+    if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
+    if interop.framework_of(q) == "numpy":
+        return _kvcache_numpy(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                              cache_leftpad, block_table, softmax_scale, causal, window, softcap, rotary_interleaved,
+                              alibi_slopes, return_softmax_lse)
+    if interop.framework_of(q) == "jax":
+        raise NotImplementedError("q: flash_attn_with_kvcache updates the cache in place; JAX arrays are immutable")
+    with interop.gpu_call(q) as call:
+        return _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                            cache_leftpad, block_table, softmax_scale, bool(causal), window, softcap,
+                            bool(rotary_interleaved), alibi_slopes, int(num_splits), return_softmax_lse)
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+def _i32(cp, call, name, x, batch):
+    """(array, info) of an optional int32 (batch,) argument; an int becomes a device array."""
+    if x is None:
+        return None, None
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        x = cp.full((batch,), int(x), dtype=np.int32)
+        return x, interop.describe(name, x)
+    return x, call.tensor(name, x)
+
+
+def _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                 cache_leftpad, block_table, softmax_scale, causal, window, softcap, interleaved, alibi_slopes,
+                 num_splits, return_softmax_lse):
+    cp = interop.import_cupy()
+    q_i = call.tensor("q", q)
+    kc_i, vc_i = call.output("k_cache", k_cache), call.output("v_cache", v_cache)  # written in place
+    k_i = call.tensor("k", k) if k is not None else None
+    v_i = call.tensor("v", v) if v is not None else None
+    batch = q_i.shape[0] if len(q_i.shape) == 4 else 0
+    _, seqlens_i = _i32(cp, call, "cache_seqlens", cache_seqlens, batch)
+    _, batch_idx_i = _i32(cp, call, "cache_batch_idx", cache_batch_idx, batch)
+    _, leftpad_i = _i32(cp, call, "cache_leftpad", cache_leftpad, batch)
+    table_i = call.tensor("block_table", block_table) if block_table is not None else None
+    cos_a = sin_a = None
+    if rotary_cos is not None and rotary_sin is not None:  # fp32 copies for the kernel
+        cos_a, sin_a = (call.to_cupy(n, x) for n, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)))
+    cos_i = interop.describe("rotary_cos", cos_a) if cos_a is not None else (
+        call.tensor("rotary_cos", rotary_cos) if rotary_cos is not None else None)
+    sin_i = interop.describe("rotary_sin", sin_a) if sin_a is not None else (
+        call.tensor("rotary_sin", rotary_sin) if rotary_sin is not None else None)
+    cache = validate_kvcache(q_i, kc_i, vc_i, k_i, v_i, cos_i, sin_i, seqlens_i, batch_idx_i, leftpad_i, table_i,
+                             softmax_scale)
+    shape = cache.shape
+    features = gpu_features(call, shape, q_i.device, window, softcap, alibi_slopes)
+    out, out_i = call.empty(q_i.shape, shape.dtype, like=q)
+    lse, lse_i = call.empty((cache.batch, cache.nheads, cache.seqlen_q), "float32")
+    if cache.batch == 0 or cache.seqlen_q == 0:
+        return (call.result(out), call.result(lse)) if return_softmax_lse else call.result(out)
+    dtype = launch.SHORT_DTYPE[shape.dtype]
+    rotary, combine = kvcache_helper_configs(dtype)
+    cos32 = sin32 = None
+    if cos_a is not None:
+        cos32, sin32 = (cp.ascontiguousarray(interop.as_float32(cp, x)) for x in (cos_a, sin_a))
+    keep = [cos32, sin32]
+
+    seqlens_before = seqlens_i
+    if seqlens_before is None:  # no lengths: every sequence fills the cache
+        full = cp.full((cache.batch,), cache.cache_rows, dtype=np.int32)
+        keep.append(full)
+        seqlens_before = interop.describe("cache_seqlens", full)
+    seqlens_after = seqlens_before
+    if k_i is not None:
+        for src, dst, rotate in ((k_i, kc_i, True), (v_i, vc_i, False)):
+            _rotary_copy(call, rotary, src, dst, cache, seqlens_before, leftpad_i, batch_idx_i, table_i,
+                         to_cache=True, cos=cos32 if rotate else None, sin=sin32, interleaved=interleaved,
+                         positions_per_row=True)
+        after = cp.asarray(_device_array(cp, seqlens_before)) + np.int32(cache.seqlen_new)
+        keep.append(after)
+        seqlens_after = interop.describe("cache_seqlens", after)
+    q_used = q_i
+    if cos32 is not None:  # rotated copy of q
+        q_rot, q_used = call.empty(q_i.shape, shape.dtype, like=q)
+        keep.append(q_rot)
+        per_row = causal or window != (-1, -1)
+        _rotary_copy(call, rotary, q_i, q_used, cache, seqlens_before, leftpad_i, None, None, to_cache=False,
+                     cos=cos32, sin=sin32, interleaved=interleaved, positions_per_row=per_row)
+    _attention(call, q_used, kc_i, vc_i, out_i, lse_i, shape, cache, seqlens_after, batch_idx_i, leftpad_i, table_i,
+               causal, features, num_splits, combine, keep)
+    del keep  # stream-ordered: the scratch is reused only by work queued after this point
+    return (call.result(out), call.result(lse)) if return_softmax_lse else call.result(out)
+
+
+def _device_array(cp, info: TensorInfo):
+    memory = cp.cuda.UnownedMemory(info.data_ptr, info.shape[0] * 4, owner=None)
+    return cp.ndarray(info.shape, dtype=np.int32, memptr=cp.cuda.MemoryPointer(memory, 0),
+                      strides=tuple(s * 4 for s in info.strides))
+
+
+def _ptr(info):
+    return np.uint64(info.data_ptr if info is not None else 0)
+
+
+def _strides3(info: TensorInfo):
+    return [np.int64(s) for s in info.strides[:3]]
+
+
+def _rotary_copy(call, config, src, dst, cache: _Cache, seqlens, leftpad, batch_idx, table, *, to_cache, cos, sin,
+                 interleaved, positions_per_row):
+    rows = src.shape[1]
+    work = rows * src.shape[2] * cache.head_dim
+    if work == 0:
+        return
+    if to_cache:
+        dst_rows, dst_entries = cache.cache_rows, cache.cache_entries
+    else:
+        dst_rows, dst_entries = rows, cache.batch
+    table_stride = table.strides[0] if table is not None else 0
+    launch._launch(config, call.device_id, call.stream, (math.ceil(work / _THREADS), cache.batch),
+                   (_ptr(src), *_strides3(src), _ptr(dst), *_strides3(dst), np.int32(rows), np.int32(src.shape[2]),
+                    np.int32(cache.head_dim), _ptr(seqlens), _ptr(leftpad), _ptr(batch_idx), _ptr(table),
+                    np.int64(table_stride), np.int32(max(cache.page_size, 1)), np.int32(dst_rows),
+                    np.int32(dst_entries), np.int32(1 if to_cache else 0),
+                    np.uint64(cos.data.ptr if cos is not None else 0), np.uint64(sin.data.ptr if sin is not None else 0),
+                    np.int32(cos.shape[0] if cos is not None else 0), np.int32(cache.rotary_dim),
+                    np.int32(1 if interleaved else 0), np.int32(1 if positions_per_row else 0)))
+
+
+def _decode_swap(q: TensorInfo, out: TensorInfo, shape: AttentionShape, cache: _Cache, causal: bool,
+                 features: Features):
+    """One-token decoding with GQA: the query heads of a kv head become rows of one query block (a
+    free view), so each kv head's cache is read once instead of once per query head. Valid when
+    every row sees the same keys: seqlen_q == 1, no left window, no ALiBi (its slope is per head)."""
+    group = shape.kv_group
+    if cache.seqlen_q != 1 or group == 1 or features.window_left >= 0 or features.alibi is not None:
+        return q, out, shape, causal
+    def swap(t: TensorInfo) -> TensorInfo:
+        return dataclasses.replace(t, shape=(cache.batch, group, cache.nheads_kv, cache.head_dim),
+                                   strides=(t.strides[0], t.strides[2], group * t.strides[2], t.strides[3]))
+    shape = dataclasses.replace(shape, seqlen_q=group, nheads=cache.nheads_kv)
+    # A single query row sees every key (bottom-right causal with seqlen_q = 1), so causal is moot.
+    return swap(q), swap(out), shape, False
+
+
+def _attention(call, q, k_cache, v_cache, out, lse, shape, cache: _Cache, seqlens, batch_idx, leftpad, table, causal,
+               features, num_splits, combine, keep):
+    cp = interop.import_cupy()
+    q, out, shape, causal = _decode_swap(q, out, shape, cache, causal, features)
+    arch = launch.device_arch(call.device_id)
+    config = kvcache_config(shape.head_dim, launch.SHORT_DTYPE[shape.dtype], causal, arch)
+    m_blocks = math.ceil(shape.seqlen_q / config.block_m)
+    if num_splits == 0:
+        slots = 2 * cp.cuda.Device(call.device_id).attributes["MultiProcessorCount"]
+        num_splits = num_splits_heuristic(m_blocks * shape.nheads * cache.batch, slots,
+                                          math.ceil(cache.cache_rows / config.block_n))
+    num_splits = max(1, min(num_splits, _MAX_SPLITS, math.ceil(cache.cache_rows / config.block_n)))
+    o_partial = lse_partial = None
+    if num_splits > 1:
+        rows = num_splits * cache.batch * shape.nheads * shape.seqlen_q
+        o_partial = cp.empty((rows, shape.head_dim), dtype=np.float32)
+        lse_partial = cp.empty((rows,), dtype=np.float32)
+        keep += [o_partial, lse_partial]
+    table_stride = table.strides[0] if table is not None else 0
+    kernel_args = features.kernel_args(causal, shape.softmax_scale)
+    args = (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(lse), *_strides3(q), *_strides3(k_cache),
+            *_strides3(v_cache), *_strides3(out), np.int32(shape.seqlen_q), np.int32(cache.cache_rows),
+            np.int32(shape.head_dim), np.int32(shape.kv_group), *kernel_args,
+            _ptr(seqlens), _ptr(batch_idx), _ptr(leftpad), _ptr(table), np.int64(table_stride),
+            np.int32(max(cache.page_size, 1)), np.int32(cache.cache_rows), np.int32(cache.cache_entries),
+            np.int32(num_splits), np.uint64(o_partial.data.ptr if o_partial is not None else 0),
+            np.uint64(lse_partial.data.ptr if lse_partial is not None else 0))
+    launch._launch(config, call.device_id, call.stream, (m_blocks * num_splits, shape.nheads, cache.batch), args)
+    if num_splits > 1:
+        rows = cache.batch * shape.nheads * shape.seqlen_q
+        launch._launch(combine, call.device_id, call.stream, (math.ceil(rows * 32 / _THREADS),),
+                       (np.uint64(o_partial.data.ptr), np.uint64(lse_partial.data.ptr), _ptr(out), _ptr(lse),
+                        *_strides3(out), np.int32(num_splits), np.int32(cache.batch), np.int32(shape.nheads),
+                        np.int32(shape.seqlen_q), np.int32(shape.head_dim)))
+
+
+# ---- NumPy (CPU reference of the same semantics) ------------------------------------------------
+
+def _rotate(x, cos, sin, positions, interleaved):
+    """x (rows, heads, d) float32 rotated at integer positions (rows,)."""
+    half = cos.shape[1]
+    rot = 2 * half
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    out = x.copy()
+    if interleaved:
+        a, b = x[..., 0:rot:2], x[..., 1:rot:2]
+        out[..., 0:rot:2], out[..., 1:rot:2] = a * c - b * s, a * s + b * c
+    else:
+        a, b = x[..., :half], x[..., half:rot]
+        out[..., :half], out[..., half:rot] = a * c - b * s, a * s + b * c
+    return out
+
+
+def _kvcache_numpy(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table, softmax_scale, causal, window, softcap, interleaved, alibi_slopes, return_softmax_lse):
+    arrays = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
+              "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
+              "block_table": block_table}
+    for name, x in arrays.items():
+        if x is not None and not isinstance(x, np.ndarray):
+            raise TypeError(f"{name}: expected a NumPy array like q, got {type(x).__name__}")
+    batch = q.shape[0] if q.ndim == 4 else 0
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = np.full((batch,), int(cache_seqlens), np.int32)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, np.ndarray):
+        raise TypeError(f"cache_seqlens: expected an int or a NumPy array like q, got {type(cache_seqlens).__name__}")
+    d = interop.describe
+    cache = validate_kvcache(*(d(n, x) if x is not None else None for n, x in (
+        ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
+        ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+        ("cache_leftpad", cache_leftpad), ("block_table", block_table))), softmax_scale, check_pointers=False)
+    shape = cache.shape
+    slopes = numpy_alibi(alibi_slopes, shape)
+    seqlens = (np.asarray(cache_seqlens, np.int64) if cache_seqlens is not None
+               else np.full((batch,), cache.cache_rows, np.int64))
+    leftpad = np.asarray(cache_leftpad, np.int64) if cache_leftpad is not None else np.zeros(batch, np.int64)
+    cos = None if rotary_cos is None else np.asarray(rotary_cos, np.float32)
+    sin = None if rotary_sin is None else np.asarray(rotary_sin, np.float32)
+
+    def rows_of(b, positions):  # (cache entry or page, row) for logical rows of sequence b
+        positions = np.asarray(positions)
+        if block_table is not None:
+            return block_table[b, positions // cache.page_size], positions % cache.page_size
+        entry = cache_batch_idx[b] if cache_batch_idx is not None else b
+        return np.full(positions.shape, entry), positions
+
+    out = np.zeros(q.shape, q.dtype)
+    lse = np.full((batch, cache.nheads, cache.seqlen_q), np.inf, np.float32)
+    for b in range(batch):
+        start, pad = int(seqlens[b]), int(leftpad[b])
+        if k is not None:
+            new_rows = np.arange(start, start + cache.seqlen_new)
+            kn = np.asarray(k[b], np.float32)
+            if cos is not None:
+                kn = _rotate(kn, cos, sin, new_rows - pad, interleaved)
+            entries, rows = rows_of(b, new_rows)
+            k_cache[entries, rows] = kn.astype(k_cache.dtype)
+            v_cache[entries, rows] = v[b]
+        end = start + cache.seqlen_new
+        entries, rows = rows_of(b, np.arange(pad, end))
+        kb, vb = k_cache[entries, rows][None], v_cache[entries, rows][None]
+        qb = np.asarray(q[b], np.float32)
+        if cos is not None:
+            per_row = causal or window != (-1, -1)
+            positions = start - pad + (np.arange(cache.seqlen_q) if per_row else np.zeros(cache.seqlen_q, np.int64))
+            qb = _rotate(qb, cos, sin, positions, interleaved).astype(q.dtype).astype(np.float32)
+        if kb.shape[1] == 0:
+            continue
+        o, l_b = reference.attention_tiled(qb[None].astype(q.dtype), kb, vb, softmax_scale=shape.softmax_scale,
+                                           causal=causal, window_size=window, softcap=softcap,
+                                           alibi_slopes=None if slopes is None else
+                                           np.broadcast_to(slopes.reshape(-1, cache.nheads), (batch, cache.nheads))[b:b + 1],
+                                           p_dtype=q.dtype)
+        out[b] = o[0].astype(q.dtype)
+        lse[b] = l_b[0]
+    return (out, lse) if return_softmax_lse else out
+
+
+__all__ = ["flash_attn_with_kvcache", "num_splits_heuristic", "validate_kvcache"]

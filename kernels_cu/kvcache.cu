@@ -1,0 +1,109 @@
+// KV-cache helpers for flash_attn_with_kvcache:
+//   rotary_copy_kernel        new k/v rows -> the cache (paged or not), or q -> a rotated copy,
+//                             applying rotary embeddings on the way;
+//   flash_fwd_combine_kernel  split-KV partial results -> the output, weighted by their LSEs.
+#include "ptx.cuh"
+
+// dst[row(b, i), h, c] = rotary(src[b, i, h, :], position(b, i))[c], one thread per element.
+// Rows go to the end of the cache (cache_seqlens[b] + i, through the page table when paged) or to
+// row i of a plain destination. Positions are cache_seqlens[b] - leftpad[b] (+ i when
+// positions_per_row). Rotary pairs are (2j, 2j+1) when interleaved, else (j, j + rotary_dim / 2);
+// cos/sin are fp32 (rotary_rows, rotary_dim / 2); columns past rotary_dim are copied.
+// Memory safety without reading device values on the host: rows past dst_rows, page or batch
+// indices outside [0, dst_entries) are not written, and positions are clamped to the cos/sin table.
+template <class T>
+__global__ void __launch_bounds__(256)
+rotary_copy_kernel(const u16* __restrict__ src, i64 src_batch_stride, i64 src_row_stride, i64 src_head_stride,
+                   u16* __restrict__ dst, i64 dst_batch_stride, i64 dst_row_stride, i64 dst_head_stride,
+                   int seqlen, int nheads, int head_dim, const int* __restrict__ cache_seqlens,
+                   const int* __restrict__ cache_leftpad, const int* __restrict__ dst_batch_idx,
+                   const int* __restrict__ block_table, i64 block_table_stride, int page_size, int dst_rows,
+                   int dst_entries, int dst_at_cache_end, const float* __restrict__ cos, const float* __restrict__ sin,
+                   int rotary_rows, int rotary_dim, int interleaved, int positions_per_row) {
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const int batch = blockIdx.y;
+    if (idx >= (i64)seqlen * nheads * head_dim) return;
+    const int c = (int)(idx % head_dim);
+    const int h = (int)((idx / head_dim) % nheads);
+    const int i = (int)(idx / ((i64)head_dim * nheads));
+    const u16* x = src + batch * src_batch_stride + (i64)i * src_row_stride + h * src_head_stride;
+    const int cached = cache_seqlens != nullptr ? cache_seqlens[batch] : 0;
+
+    float value = T::to_float(x[c]);
+    if (cos != nullptr && c < rotary_dim) {
+        const int half = rotary_dim / 2;
+        int j, partner;
+        bool first;
+        if (interleaved) {
+            j = c / 2, partner = c ^ 1, first = (c % 2 == 0);
+        } else {
+            first = c < half, j = first ? c : c - half, partner = first ? c + half : c - half;
+        }
+        const int leftpad = cache_leftpad != nullptr ? cache_leftpad[batch] : 0;
+        i64 pos = (i64)cached - leftpad + (positions_per_row ? i : 0);
+        pos = pos < 0 ? 0 : (pos >= rotary_rows ? rotary_rows - 1 : pos);
+        const float cs = cos[pos * half + j], sn = sin[pos * half + j];
+        const float other = T::to_float(x[partner]);
+        value = first ? value * cs - other * sn : other * sn + value * cs;
+    }
+
+    const int row = dst_at_cache_end ? cached + i : i;
+    if (row < 0 || row >= dst_rows) return;
+    u16* out;
+    if (block_table != nullptr) {
+        const int page = block_table[batch * block_table_stride + row / page_size];
+        if ((unsigned)page >= (unsigned)dst_entries) return;
+        out = dst + page * dst_batch_stride + (i64)(row % page_size) * dst_row_stride;
+    } else {
+        const int b = dst_batch_idx != nullptr ? dst_batch_idx[batch] : batch;
+        if ((unsigned)b >= (unsigned)dst_entries) return;
+        out = dst + b * dst_batch_stride + (i64)row * dst_row_stride;
+    }
+    out[h * dst_head_stride + c] = (u16)(T::pack(value, 0.f) & 0xffff);
+}
+
+// out[b, i, h, :] = sum_s exp(lse_s - lse) o_s with lse = log sum_s exp(lse_s), over the splits that
+// saw a key (lse_s finite); rows no split saw get out 0 and lse +inf. One warp per (b, h, i); each
+// lane owns column pairs.
+template <class T>
+__global__ void __launch_bounds__(256)
+flash_fwd_combine_kernel(const float* __restrict__ o_partial, const float* __restrict__ lse_partial,
+                         u16* __restrict__ out, float* __restrict__ lse, i64 o_batch_stride, i64 o_row_stride,
+                         i64 o_head_stride, int num_splits, int batch, int nheads, int seqlen_q, int head_dim) {
+    const i64 row_id = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;  // over (b, h, i)
+    const int lane = threadIdx.x % 32;
+    const i64 rows = (i64)batch * nheads * seqlen_q;
+    if (row_id >= rows) return;
+    const i64 split_stride = rows;  // partial buffers are (split, b, h, i[, d]) contiguous
+    float lse_max = -CF_INF;
+    for (int s = 0; s < num_splits; ++s) {
+        const float l = lse_partial[s * split_stride + row_id];
+        if (l != CF_INF) lse_max = fmaxf(lse_max, l);
+    }
+    const bool empty = lse_max == -CF_INF;
+    float total = 0.f;
+    if (!empty)
+        for (int s = 0; s < num_splits; ++s) {
+            const float l = lse_partial[s * split_stride + row_id];
+            if (l != CF_INF) total += __expf(l - lse_max);
+        }
+    const float row_lse = empty ? CF_INF : lse_max + __logf(total);
+    const int b = (int)(row_id / ((i64)nheads * seqlen_q));
+    const int h = (int)((row_id / seqlen_q) % nheads);
+    const int i = (int)(row_id % seqlen_q);
+    if (lane == 0) lse[row_id] = row_lse;
+    u16* dst = out + b * o_batch_stride + (i64)i * o_row_stride + h * o_head_stride;
+    for (int c = 2 * lane; c < head_dim; c += 64) {
+        float x = 0.f, y = 0.f;
+        if (!empty)
+            for (int s = 0; s < num_splits; ++s) {
+                const float l = lse_partial[s * split_stride + row_id];
+                if (l == CF_INF) continue;
+                const float w = __expf(l - row_lse);
+                const float* o_s = o_partial + (s * split_stride + row_id) * head_dim + c;
+                x += w * o_s[0];
+                y += w * o_s[1];
+            }
+        *reinterpret_cast<u32*>(dst + c) = T::pack(x, y);
+    }
+}

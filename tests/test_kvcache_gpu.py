@@ -1,0 +1,150 @@
+"""flash_attn_with_kvcache on the GPU against the NumPy path on the same inputs: cache contents after
+the append, outputs and LSE; paged caches of odd page sizes, split-KV, GQA decoding, rotary."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash2
+from cuflash2.interop import as_float32
+
+pytestmark = pytest.mark.gpu
+
+NP = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+
+CASES = {
+    # name: (batch, seqlen_q, heads, kv_heads, cache_len, new, options)
+    "decode-gqa": (3, 1, 8, 2, 300, 1, {}),
+    "decode-mqa-splits3": (2, 1, 4, 1, 513, 1, {"num_splits": 3}),
+    "decode-nosplit": (2, 1, 4, 2, 200, 1, {"num_splits": 1}),
+    "decode-rotary": (2, 1, 4, 2, 100, 1, {"rotary": (32, True)}),
+    "chunk-causal": (2, 7, 4, 2, 150, 7, {"causal": True}),
+    "chunk-causal-rotary-neox": (2, 5, 4, 4, 90, 5, {"causal": True, "rotary": (64, False)}),
+    "prefill-noappend": (2, 40, 4, 2, 128, 0, {"causal": True}),
+    "leftpad-batchidx": (2, 3, 4, 2, 64, 2, {"leftpad": True, "batch_idx": True, "causal": True}),
+    "window-softcap-alibi": (2, 4, 4, 2, 200, 2, {"causal": True, "window": (50, -1), "softcap": 5.0,
+                                                   "alibi": True}),
+    "paged-1": (2, 1, 8, 2, 96, 1, {"page": 1}),
+    "paged-7": (3, 3, 4, 2, 100, 3, {"page": 7, "causal": True}),
+    "paged-16-splits": (2, 1, 4, 2, 300, 1, {"page": 16, "num_splits": 5}),
+    "paged-256-rotary": (2, 2, 4, 2, 600, 2, {"page": 256, "rotary": (128, True), "causal": True}),
+}
+
+
+def _make(rng, case, head_dim, dtype):
+    batch, sq, h, hk, cache_len, new, opts = CASES[case]
+    f = NP[dtype]
+    q = rng.standard_normal((batch, sq, h, head_dim)).astype(f)
+    entries = batch + 2 if opts.get("batch_idx") else batch
+    k_cache = rng.standard_normal((entries, cache_len, hk, head_dim)).astype(f)
+    v_cache = rng.standard_normal((entries, cache_len, hk, head_dim)).astype(f)
+    kwargs = {"causal": opts.get("causal", False), "num_splits": opts.get("num_splits", 0),
+              "return_softmax_lse": True}
+    if new:
+        kwargs["k"] = rng.standard_normal((batch, new, hk, head_dim)).astype(f)
+        kwargs["v"] = rng.standard_normal((batch, new, hk, head_dim)).astype(f)
+    seqlens = rng.integers(0, cache_len - new + 1, batch).astype(np.int32)
+    seqlens[0] = cache_len - new  # one sequence fills its cache exactly
+    kwargs["cache_seqlens"] = seqlens
+    if opts.get("batch_idx"):
+        kwargs["cache_batch_idx"] = rng.permutation(entries)[:batch].astype(np.int32)
+    if opts.get("leftpad"):
+        kwargs["cache_leftpad"] = np.minimum(seqlens, rng.integers(0, 10, batch)).astype(np.int32)
+    if "window" in opts:
+        kwargs.update(window_size=opts["window"], softcap=opts["softcap"])
+    if opts.get("alibi"):
+        kwargs["alibi_slopes"] = rng.uniform(0.01, 0.3, h).astype(np.float32)
+    if "rotary" in opts:
+        rotary_dim, interleaved = opts["rotary"]
+        rotary_dim = min(rotary_dim, head_dim)
+        theta = rng.uniform(0, 2 * np.pi, (cache_len + 8, rotary_dim // 2))
+        kwargs.update(rotary_cos=np.cos(theta).astype(f), rotary_sin=np.sin(theta).astype(f),
+                      rotary_interleaved=interleaved)
+    if "page" in opts:
+        page = opts["page"]
+        per_seq = -(-cache_len // page)
+        order = rng.permutation(batch * per_seq + 3)
+        table = order[:batch * per_seq].reshape(batch, per_seq).astype(np.int32)
+        pages_k = rng.standard_normal((batch * per_seq + 3, page, hk, head_dim)).astype(f)
+        pages_v = rng.standard_normal((batch * per_seq + 3, page, hk, head_dim)).astype(f)
+        kwargs["block_table"] = table
+        k_cache, v_cache = pages_k, pages_v
+    return q, k_cache, v_cache, kwargs
+
+
+def _to_gpu(cp, kwargs):
+    return {k: cp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kvcache_matches_numpy_path(case, head_dim, dtype):
+    import cupy as cp
+
+    rng = np.random.default_rng(abs(hash((case, head_dim, dtype))) % 2**31)
+    q, k_cache, v_cache, kwargs = _make(rng, case, head_dim, dtype)
+    kc_gpu, vc_gpu = cp.asarray(k_cache), cp.asarray(v_cache)
+    out, lse = cuflash2.flash_attn_with_kvcache(cp.asarray(q), kc_gpu, vc_gpu, **_to_gpu(cp, kwargs))
+    ref_out, ref_lse = cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)  # updates the host caches
+    # The append: v bit-exact, k within rounding of the rotary product.
+    np.testing.assert_array_equal(cp.asnumpy(vc_gpu).view(np.uint16), v_cache.view(np.uint16))
+    k_err = np.abs(cp.asnumpy(as_float32(cp, kc_gpu)) - k_cache.astype(np.float32)).max()
+    assert k_err <= 2 * np.abs(k_cache.astype(np.float32)).max() * (2.0 ** -8 if dtype == "bf16" else 2.0 ** -11)
+    got = cp.asnumpy(as_float32(cp, out))
+    assert not np.isnan(got).any()
+    eps = 2.0 ** -8 if dtype == "bf16" else 2.0 ** -11
+    err = np.abs(got - ref_out.astype(np.float32)).max()
+    assert err <= 4 * eps * max(1.0, np.abs(ref_out.astype(np.float32)).max()), f"out max error {err:.3e}"
+    lse_gpu = cp.asnumpy(lse)
+    finite = np.isfinite(ref_lse)
+    assert (np.isfinite(lse_gpu) == finite).all()
+    assert np.abs(np.where(finite, lse_gpu - ref_lse, 0)).max() < 1e-2
+
+
+def test_splits_do_not_change_the_answer():
+    import cupy as cp
+
+    rng = np.random.default_rng(0)
+    q, k_cache, v_cache, kwargs = _make(rng, "decode-gqa", 128, "bf16")
+    kwargs.pop("k"), kwargs.pop("v")
+    results = []
+    for splits in (1, 2, 7, 0):
+        out, lse = cuflash2.flash_attn_with_kvcache(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache),
+                                                    **_to_gpu(cp, {**kwargs, "num_splits": splits}))
+        results.append((cp.asnumpy(as_float32(cp, out)), cp.asnumpy(lse)))
+    for out, lse in results[1:]:
+        assert np.abs(out - results[0][0]).max() < 1e-2
+        assert np.abs(lse - results[0][1]).max() < 1e-4
+
+
+def test_bad_device_values_stay_in_bounds():
+    """Out-of-range cache_seqlens and page ids are clamped or skipped: no fault, nothing written
+    outside the cache (checked with sentinel pages)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(1)
+    q = cp.asarray(rng.standard_normal((2, 1, 4, 64)).astype(np.float16))
+    pages = cp.full((6, 8, 2, 64), 7.0, dtype=cp.float16)
+    table = cp.asarray(np.array([[0, 1, 99], [2, -5, 3]], np.int32))  # 99 and -5 are not pages
+    k_new = cp.ones((2, 1, 2, 64), dtype=cp.float16)
+    seqlens = cp.asarray(np.array([1000, 10], np.int32))  # 1000 is past the cache (24 rows)
+    out = cuflash2.flash_attn_with_kvcache(q, pages, pages, k_new, k_new, cache_seqlens=seqlens, block_table=table)
+    cp.cuda.Device().synchronize()
+    assert not bool(cp.isnan(as_float32(cp, out)).any())
+    assert bool((pages[4:] == 7).all())  # pages 4 and 5 are in no table: untouched
+
+
+def test_kvcache_with_torch_tensors():
+    torch = pytest.importorskip("torch")
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(2, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(2, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([10, 63], dtype=torch.int32, device="cuda")
+    out = cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    torch.testing.assert_close(k_cache[0, 10], k[0, 0], atol=0, rtol=0)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k_cache[:1, :11].transpose(1, 2), v_cache[:1, :11].transpose(1, 2), enable_gqa=True)
+    torch.testing.assert_close(out[:1].float(), ref.transpose(1, 2).float(), atol=2e-2, rtol=0)
