@@ -191,8 +191,9 @@ def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: 
 # ---- KV cache (flash_attn_with_kvcache) -----------------------------------------------------------
 # Decoding reads the cache once per step and is bound by memory bandwidth, not MMA throughput: 64
 # query rows (4 warps x 16) waste little on short queries and leave room for 3 K/V stages in flight.
-# Head dims 224 and 256 need 8 warps (a 4-warp tile spills with the page-table addressing).
-_KVCACHE_TILES = {32: (64, 128, 4, 3), 64: (64, 128, 4, 2), 96: (64, 64, 4, 3), 128: (64, 64, 4, 3),
+# Head dims 224 and 256 need 8 warps (a 4-warp tile spills with the page-table addressing). Bigger
+# key blocks keep more bytes in flight per SM (head dim 128: 112 KB of K/V stages, 2 blocks per SM).
+_KVCACHE_TILES = {32: (64, 128, 4, 3), 64: (64, 128, 4, 3), 96: (64, 64, 4, 3), 128: (64, 128, 4, 3),
                   160: (64, 32, 4, 3), 192: (64, 32, 4, 3), 224: (128, 32, 8, 2), 256: (128, 32, 8, 2)}
 
 
@@ -202,6 +203,8 @@ def kvcache_config(head_dim: int, dtype: str, causal: bool, arch: int) -> Kernel
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
     block_m, block_n, warps, stages = _KVCACHE_TILES[bucket]
+    if bucket == 128 and not _large_smem(arch):
+        block_n = 64  # 3 stages of 128 keys need 112 KB
     config = KernelConfig(FWD_KVCACHE, dtype, bucket, block_m, block_n, warps, stages, bool(causal), variant=True)
     assert config.smem_bytes <= smem_limit(arch), f"{config.short_id()} needs {config.smem_bytes} B"
     return config

@@ -18,6 +18,7 @@ causal or windowed, all at cache_seqlens[b] - leftpad otherwise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -251,6 +252,13 @@ def _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     return (call.result(out), call.result(lse)) if return_softmax_lse else call.result(out)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    """Streaming multiprocessors (cached: reading device attributes costs far more than a launch)."""
+    cp = interop.import_cupy()
+    return cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
 def _device_array(cp, info: TensorInfo):
     memory = cp.cuda.UnownedMemory(info.data_ptr, info.shape[0] * 4, owner=None)
     return cp.ndarray(info.shape, dtype=np.int32, memptr=cp.cuda.MemoryPointer(memory, 0),
@@ -310,7 +318,7 @@ def _attention(call, q, k_cache, v_cache, out, lse, shape, cache: _Cache, seqlen
     config = kvcache_config(shape.head_dim, launch.SHORT_DTYPE[shape.dtype], causal, arch)
     m_blocks = math.ceil(shape.seqlen_q / config.block_m)
     if num_splits == 0:
-        slots = 2 * cp.cuda.Device(call.device_id).attributes["MultiProcessorCount"]
+        slots = 2 * _sm_count(call.device_id)
         num_splits = num_splits_heuristic(m_blocks * shape.nheads * cache.batch, slots,
                                           math.ceil(cache.cache_rows / config.block_n))
     num_splits = max(1, min(num_splits, _MAX_SPLITS, math.ceil(cache.cache_rows / config.block_n)))

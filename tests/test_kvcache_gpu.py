@@ -146,5 +146,5 @@ def test_kvcache_with_torch_tensors():
     assert isinstance(out, torch.Tensor) and out.shape == q.shape
     torch.testing.assert_close(k_cache[0, 10], k[0, 0], atol=0, rtol=0)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k_cache[:1, :11].transpose(1, 2), v_cache[:1, :11].transpose(1, 2), enable_gqa=True)
+        q[:1].transpose(1, 2), k_cache[:1, :11].transpose(1, 2), v_cache[:1, :11].transpose(1, 2), enable_gqa=True)
     torch.testing.assert_close(out[:1].float(), ref.transpose(1, 2).float(), atol=2e-2, rtol=0)
