@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from .validate import AttentionShape, TensorInfo
+from .validate import AttentionShape, TensorInfo, expect
 
 #: Window sides at or beyond this are unbounded (keeps the kernels' int arithmetic far from overflow).
 UNBOUNDED = 1 << 30
@@ -66,11 +66,6 @@ class Features:
 PLAIN = Features()
 
 
-def _expect(condition: bool, message: str, error=ValueError) -> None:
-    if not condition:
-        raise error(message)
-
-
 def check_window(window_size) -> tuple[int, int]:
     """(left, right) with -1 for an unbounded side."""
     try:
@@ -78,8 +73,8 @@ def check_window(window_size) -> tuple[int, int]:
         left, right = int(left), int(right)
     except (TypeError, ValueError):
         raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
-    _expect(left >= -1 and right >= -1,
-            f"window_size: expected entries >= -1 (-1 = unbounded), got {(left, right)}")
+    expect(left >= -1 and right >= -1,
+            lambda: f"window_size: expected entries >= -1 (-1 = unbounded), got {(left, right)}")
     return left, right
 
 
@@ -88,7 +83,7 @@ def check_softcap(softcap) -> float:
         value = float(softcap)
     except (TypeError, ValueError):
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}") from None
-    _expect(math.isfinite(value) and value >= 0.0, f"softcap: expected a finite number >= 0, got {value}")
+    expect(math.isfinite(value) and value >= 0.0, lambda: f"softcap: expected a finite number >= 0, got {value}")
     return value
 
 
@@ -98,41 +93,41 @@ def check_dropout(dropout_p) -> None:
 
 
 def check_alibi(info: TensorInfo, batch: int, nheads: int, device: str) -> None:
-    _expect(info.dtype == "float32", f"alibi_slopes: expected dtype float32, got {info.dtype}", TypeError)
-    _expect(info.shape in ((nheads,), (batch, nheads)),
-            f"alibi_slopes: expected shape ({nheads},) or ({batch}, {nheads}), got {info.shape}")
-    _expect(info.strides[-1] == 1 or info.shape[-1] == 1,
-            f"alibi_slopes: expected a contiguous last dim, got strides {info.strides}")
-    _expect(info.device == device, f"alibi_slopes: expected device {device} (same as q), got {info.device}")
+    expect(info.dtype == "float32", lambda: f"alibi_slopes: expected dtype float32, got {info.dtype}", TypeError)
+    expect(info.shape in ((nheads,), (batch, nheads)),
+            lambda: f"alibi_slopes: expected shape ({nheads},) or ({batch}, {nheads}), got {info.shape}")
+    expect(info.strides[-1] == 1 or info.shape[-1] == 1,
+            lambda: f"alibi_slopes: expected a contiguous last dim, got strides {info.strides}")
+    expect(info.device == device, lambda: f"alibi_slopes: expected device {device} (same as q), got {info.device}")
 
 
 def check_cu_seqlens(name: str, info: TensorInfo, values, total: int, max_seqlen: int, batch: int | None,
                      device: str) -> int:
     """Checks cumulative sequence lengths (values: a host copy); returns the batch size."""
-    _expect(info.dtype == "int32", f"{name}: expected dtype int32, got {info.dtype}", TypeError)
-    _expect(len(info.shape) == 1 and info.shape[0] >= 2,
-            f"{name}: expected shape (batch + 1,) with batch >= 1, got {info.shape}")
-    _expect(info.strides[0] == 1, f"{name}: expected a contiguous array, got stride {info.strides[0]}")
-    _expect(info.device == device, f"{name}: expected device {device} (same as q), got {info.device}")
+    expect(info.dtype == "int32", lambda: f"{name}: expected dtype int32, got {info.dtype}", TypeError)
+    expect(len(info.shape) == 1 and info.shape[0] >= 2,
+            lambda: f"{name}: expected shape (batch + 1,) with batch >= 1, got {info.shape}")
+    expect(info.strides[0] == 1, lambda: f"{name}: expected a contiguous array, got stride {info.strides[0]}")
+    expect(info.device == device, lambda: f"{name}: expected device {device} (same as q), got {info.device}")
     n = info.shape[0] - 1
     if batch is not None:
-        _expect(n == batch, f"{name}: expected {batch + 1} entries (same batch as cu_seqlens_q), got {n + 1}")
+        expect(n == batch, lambda: f"{name}: expected {batch + 1} entries (same batch as cu_seqlens_q), got {n + 1}")
     values = np.asarray(values, dtype=np.int64)
-    _expect(values[0] == 0, f"{name}: expected the first entry to be 0, got {values[0]}")
+    expect(values[0] == 0, lambda: f"{name}: expected the first entry to be 0, got {values[0]}")
     lengths = np.diff(values)
-    _expect(bool((lengths >= 0).all()), f"{name}: expected non-decreasing values, got {values.tolist()[:16]}")
-    _expect(values[-1] <= total, f"{name}: expected the last entry <= {total} (rows of the packed tensor), "
+    expect(bool((lengths >= 0).all()), lambda: f"{name}: expected non-decreasing values, got {values.tolist()[:16]}")
+    expect(values[-1] <= total, lambda: f"{name}: expected the last entry <= {total} (rows of the packed tensor), "
                                  f"got {values[-1]}")
     longest = int(lengths.max())
-    _expect(longest <= max_seqlen, f"{name}: expected sequences of at most max_seqlen = {max_seqlen}, "
+    expect(longest <= max_seqlen, lambda: f"{name}: expected sequences of at most max_seqlen = {max_seqlen}, "
                                    f"got one of {longest}")
     return n
 
 
 def check_max_seqlen(name: str, value) -> int:
-    _expect(isinstance(value, (int, np.integer)) and not isinstance(value, bool),
-            f"{name}: expected an int, got {type(value).__name__}", TypeError)
-    _expect(value >= 0, f"{name}: expected >= 0, got {value}")
+    expect(isinstance(value, (int, np.integer)) and not isinstance(value, bool),
+            lambda: f"{name}: expected an int, got {type(value).__name__}", TypeError)
+    expect(value >= 0, lambda: f"{name}: expected >= 0, got {value}")
     return int(value)
 
 

@@ -45,16 +45,22 @@ def framework_of(x, name: str = "q") -> str:
                     f"got {type(x).__name__}")
 
 
+_DTYPE_NAMES: dict = {}  # dtype -> (name, itemsize): numpy's dtype.name is slow, and this runs per call
+
+
 def describe(name: str, x) -> TensorInfo:
     """TensorInfo of a NumPy or CuPy array (strides converted to elements)."""
-    dtype = np.dtype(x.dtype)
-    itemsize = dtype.itemsize
+    known = _DTYPE_NAMES.get(x.dtype)
+    if known is None:
+        dtype = np.dtype(x.dtype)
+        known = _DTYPE_NAMES[x.dtype] = (dtype.name, dtype.itemsize)
+    dtype_name, itemsize = known
     if isinstance(x, np.ndarray):
         device, ptr = "cpu", x.__array_interface__["data"][0]
     else:
         device, ptr = f"cuda:{x.device.id}", x.data.ptr
     strides = tuple(s // itemsize for s in x.strides)
-    return TensorInfo(tuple(x.shape), strides, dtype.name, device, ptr, itemsize)
+    return TensorInfo(tuple(x.shape), strides, dtype_name, device, ptr, itemsize)
 
 
 def _check_cuda(name: str, x) -> None:

@@ -27,7 +27,7 @@ from . import interop, launch, reference
 from .api import gpu_features, numpy_alibi
 from .config import kvcache_config, kvcache_helper_configs
 from .features import Features, check_softcap, check_window
-from .validate import AttentionShape, TensorInfo, validate_qkv
+from .validate import AttentionShape, TensorInfo, expect, validate_qkv
 
 _THREADS = 256
 _MAX_SPLITS = 128
@@ -73,19 +73,14 @@ class _Cache:
     shape: AttentionShape  # q against the cache as the kernels see it (seqlen_k = cache_rows)
 
 
-def _expect(condition: bool, message: str, error=ValueError) -> None:
-    if not condition:
-        raise error(message)
-
-
 def _check_index_array(name: str, info: TensorInfo | None, shape: tuple, device: str) -> None:
     if info is None:
         return
-    _expect(info.dtype == "int32", f"{name}: expected dtype int32, got {info.dtype}", TypeError)
-    _expect(tuple(info.shape) == shape, f"{name}: expected shape {shape}, got {tuple(info.shape)}")
-    _expect(info.device == device, f"{name}: expected device {device} (same as q), got {info.device}")
-    _expect(not info.shape or info.strides[-1] == 1 or info.shape[-1] == 1,
-            f"{name}: expected a contiguous last dim, got strides {info.strides}")
+    expect(info.dtype == "int32", lambda: f"{name}: expected dtype int32, got {info.dtype}", TypeError)
+    expect(tuple(info.shape) == shape, lambda: f"{name}: expected shape {shape}, got {tuple(info.shape)}")
+    expect(info.device == device, lambda: f"{name}: expected device {device} (same as q), got {info.device}")
+    expect(not info.shape or info.strides[-1] == 1 or info.shape[-1] == 1,
+            lambda: f"{name}: expected a contiguous last dim, got strides {info.strides}")
 
 
 def validate_kvcache(q: TensorInfo, k_cache: TensorInfo, v_cache: TensorInfo, k: TensorInfo | None,
@@ -94,59 +89,59 @@ def validate_kvcache(q: TensorInfo, k_cache: TensorInfo, v_cache: TensorInfo, k:
                      cache_leftpad: TensorInfo | None, block_table: TensorInfo | None, softmax_scale=None,
                      check_pointers: bool = True) -> _Cache:
     """Shapes, dtypes and devices of a flash_attn_with_kvcache call (pure; values are not read)."""
-    _expect(len(q.shape) == 4, f"q: expected 4 dims (batch, seqlen_q, nheads, headdim), got shape {q.shape}")
+    expect(len(q.shape) == 4, lambda: f"q: expected 4 dims (batch, seqlen_q, nheads, headdim), got shape {q.shape}")
     for name, info in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _expect(len(info.shape) == 4, f"{name}: expected 4 dims, got shape {info.shape}")
-    _expect(v_cache.shape == k_cache.shape, f"v_cache: expected shape {k_cache.shape} (same as k_cache), "
+        expect(len(info.shape) == 4, lambda: f"{name}: expected 4 dims, got shape {info.shape}")
+    expect(v_cache.shape == k_cache.shape, lambda: f"v_cache: expected shape {k_cache.shape} (same as k_cache), "
                                             f"got {v_cache.shape}")
     batch, seqlen_q, nheads, head_dim = q.shape
     entries, rows, nheads_kv, cache_dim = k_cache.shape
-    _expect(cache_dim == head_dim, f"k_cache: expected head dim {head_dim} (same as q), got {cache_dim}")
+    expect(cache_dim == head_dim, lambda: f"k_cache: expected head dim {head_dim} (same as q), got {cache_dim}")
     # Reuse the dense checks for dtypes, heads, head dim and alignment: q against a cache-shaped k.
     fake_kv = dataclasses.replace(k_cache, shape=(batch, rows, nheads_kv, head_dim))
     shape = validate_qkv(q, fake_kv, dataclasses.replace(v_cache, shape=fake_kv.shape), softmax_scale,
                          check_pointers=check_pointers)
     page_size = 0
     if block_table is not None:
-        _expect(len(block_table.shape) == 2 and block_table.shape[0] == batch,
-                f"block_table: expected shape ({batch}, max_pages), got {tuple(block_table.shape)}")
+        expect(len(block_table.shape) == 2 and block_table.shape[0] == batch,
+                lambda: f"block_table: expected shape ({batch}, max_pages), got {tuple(block_table.shape)}")
         _check_index_array("block_table", block_table, tuple(block_table.shape), q.device)
-        _expect(cache_batch_idx is None, "cache_batch_idx: expected None with block_table (pages are per sequence)")
+        expect(cache_batch_idx is None, lambda: "cache_batch_idx: expected None with block_table (pages are per sequence)")
         page_size = rows
         rows = page_size * block_table.shape[1]
     else:
-        _expect(cache_batch_idx is not None or entries >= batch,
-                f"k_cache: expected a batch of at least {batch} (q's) without cache_batch_idx, got {entries}")
+        expect(cache_batch_idx is not None or entries >= batch,
+                lambda: f"k_cache: expected a batch of at least {batch} (q's) without cache_batch_idx, got {entries}")
     seqlen_new = 0
-    _expect((k is None) == (v is None), "k: expected k and v to be given together, got only one of them")
+    expect((k is None) == (v is None), lambda: "k: expected k and v to be given together, got only one of them")
     if k is not None:
         for name, info, like in (("k", k, k_cache), ("v", v, v_cache)):
-            _expect(len(info.shape) == 4 and info.shape[0] == batch and info.shape[2:] == (nheads_kv, head_dim),
-                    f"{name}: expected shape ({batch}, seqlen_new, {nheads_kv}, {head_dim}), got {info.shape}")
-            _expect(info.dtype == q.dtype, f"{name}: expected dtype {q.dtype} (same as q), got {info.dtype}",
+            expect(len(info.shape) == 4 and info.shape[0] == batch and info.shape[2:] == (nheads_kv, head_dim),
+                    lambda: f"{name}: expected shape ({batch}, seqlen_new, {nheads_kv}, {head_dim}), got {info.shape}")
+            expect(info.dtype == q.dtype, lambda: f"{name}: expected dtype {q.dtype} (same as q), got {info.dtype}",
                     TypeError)
-            _expect(info.device == q.device, f"{name}: expected device {q.device} (same as q), got {info.device}")
-        _expect(v.shape == k.shape, f"v: expected shape {k.shape} (same as k), got {v.shape}")
-        _expect(cache_seqlens is not None, "cache_seqlens: required when k and v are appended to the cache")
+            expect(info.device == q.device, lambda: f"{name}: expected device {q.device} (same as q), got {info.device}")
+        expect(v.shape == k.shape, lambda: f"v: expected shape {k.shape} (same as k), got {v.shape}")
+        expect(cache_seqlens is not None, lambda: "cache_seqlens: required when k and v are appended to the cache")
         seqlen_new = k.shape[1]
-    _expect(seqlen_new <= rows, f"k: expected at most {rows} new rows (the cache size), got {seqlen_new}")
+    expect(seqlen_new <= rows, lambda: f"k: expected at most {rows} new rows (the cache size), got {seqlen_new}")
     for name, info in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                        ("cache_leftpad", cache_leftpad)):
         _check_index_array(name, info, (batch,), q.device)
     rotary_dim = 0
-    _expect((rotary_cos is None) == (rotary_sin is None), "rotary_cos: expected rotary_cos and rotary_sin together")
+    expect((rotary_cos is None) == (rotary_sin is None), lambda: "rotary_cos: expected rotary_cos and rotary_sin together")
     if rotary_cos is not None:
         for name, info in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            _expect(len(info.shape) == 2, f"{name}: expected shape (seqlen_ro, rotary_dim / 2), got {info.shape}")
-            _expect(info.dtype in ("float16", "bfloat16", "float32"),
-                    f"{name}: expected a float16, bfloat16 or float32 array, got {info.dtype}", TypeError)
-            _expect(info.device == q.device, f"{name}: expected device {q.device} (same as q), got {info.device}")
-        _expect(rotary_sin.shape == rotary_cos.shape,
-                f"rotary_sin: expected shape {rotary_cos.shape} (same as rotary_cos), got {rotary_sin.shape}")
+            expect(len(info.shape) == 2, lambda: f"{name}: expected shape (seqlen_ro, rotary_dim / 2), got {info.shape}")
+            expect(info.dtype in ("float16", "bfloat16", "float32"),
+                    lambda: f"{name}: expected a float16, bfloat16 or float32 array, got {info.dtype}", TypeError)
+            expect(info.device == q.device, lambda: f"{name}: expected device {q.device} (same as q), got {info.device}")
+        expect(rotary_sin.shape == rotary_cos.shape,
+                lambda: f"rotary_sin: expected shape {rotary_cos.shape} (same as rotary_cos), got {rotary_sin.shape}")
         rotary_dim = 2 * rotary_cos.shape[1]
-        _expect(0 < rotary_dim <= head_dim, f"rotary_cos: expected 1 to {head_dim // 2} columns (rotary_dim / 2), "
+        expect(0 < rotary_dim <= head_dim, lambda: f"rotary_cos: expected 1 to {head_dim // 2} columns (rotary_dim / 2), "
                                             f"got {rotary_cos.shape[1]}")
-        _expect(rotary_cos.shape[0] >= 1, "rotary_cos: expected at least one position")
+        expect(rotary_cos.shape[0] >= 1, lambda: "rotary_cos: expected at least one position")
     return _Cache(batch, seqlen_q, nheads, nheads_kv, head_dim, seqlen_new, rows, entries, page_size, rotary_dim,
                   dataclasses.replace(shape, seqlen_k=rows))
 

@@ -42,29 +42,31 @@ class AttentionShape:
         return self.nheads // self.nheads_kv
 
 
-def _expect(condition: bool, message: str, error=ValueError) -> None:
+def expect(condition: bool, message, error=ValueError) -> None:
+    """Raise error(message()) unless condition. The message is a lambda so that the f-string is
+    only formatted on failure: validation runs on every call, and formatting dominated its cost."""
     if not condition:
-        raise error(message)
+        raise error(message() if callable(message) else message)
 
 
 def check_dtype(name: str, info: TensorInfo, expected: str | None = None) -> None:
     if expected is None:
-        _expect(info.dtype in SUPPORTED_DTYPES,
-                f"{name}: expected dtype float16 or bfloat16, got {info.dtype}", TypeError)
+        expect(info.dtype in SUPPORTED_DTYPES,
+                lambda: f"{name}: expected dtype float16 or bfloat16, got {info.dtype}", TypeError)
     else:
-        _expect(info.dtype == expected, f"{name}: expected dtype {expected} (same as q), got {info.dtype}", TypeError)
+        expect(info.dtype == expected, lambda: f"{name}: expected dtype {expected} (same as q), got {info.dtype}", TypeError)
 
 
 def check_alignment(name: str, info: TensorInfo) -> None:
     """The kernels copy 16-byte chunks: base pointer and all but the last stride must allow it."""
     per_chunk = ALIGN_BYTES // info.itemsize
-    _expect(info.data_ptr % ALIGN_BYTES == 0,
-            f"{name}: expected a data pointer aligned to {ALIGN_BYTES} bytes, got address {info.data_ptr:#x} "
+    expect(info.data_ptr % ALIGN_BYTES == 0,
+            lambda: f"{name}: expected a data pointer aligned to {ALIGN_BYTES} bytes, got address {info.data_ptr:#x} "
             f"(a view at an odd offset; pass a copy)")
     for dim, stride in enumerate(info.strides[:-1]):
         if info.shape[dim] > 1:
-            _expect(stride % per_chunk == 0,
-                    f"{name}: expected stride of dim {dim} to be a multiple of {per_chunk} elements, got {stride}")
+            expect(stride % per_chunk == 0,
+                    lambda: f"{name}: expected stride of dim {dim} to be a multiple of {per_chunk} elements, got {stride}")
 
 
 def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
@@ -74,7 +76,7 @@ def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
         scale = float(softmax_scale)
     except (TypeError, ValueError):
         raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}") from None
-    _expect(math.isfinite(scale) and scale > 0, f"softmax_scale: expected a finite positive number, got {scale}")
+    expect(math.isfinite(scale) and scale > 0, lambda: f"softmax_scale: expected a finite positive number, got {scale}")
     return scale
 
 
@@ -82,24 +84,24 @@ def validate_qkv(q: TensorInfo, k: TensorInfo, v: TensorInfo, softmax_scale=None
                  check_pointers: bool = True) -> AttentionShape:
     """Check q (b, sq, hq, d), k and v (b, sk, hk, d) against each other; return the problem size."""
     for name, info in (("q", q), ("k", k), ("v", v)):
-        _expect(len(info.shape) == 4,
-                f"{name}: expected 4 dims (batch, seqlen, nheads, headdim), got shape {info.shape}")
+        expect(len(info.shape) == 4,
+                lambda: f"{name}: expected 4 dims (batch, seqlen, nheads, headdim), got shape {info.shape}")
     check_dtype("q", q)
     check_dtype("k", k, q.dtype)
     check_dtype("v", v, q.dtype)
     for name, info in (("k", k), ("v", v)):
-        _expect(info.device == q.device, f"{name}: expected device {q.device} (same as q), got {info.device}")
+        expect(info.device == q.device, lambda: f"{name}: expected device {q.device} (same as q), got {info.device}")
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
-    _expect(v.shape == k.shape, f"v: expected shape {k.shape} (same as k), got {v.shape}")
-    _expect(k.shape[0] == batch, f"k: expected batch {batch} (same as q), got {k.shape[0]}")
-    _expect(k.shape[3] == head_dim, f"k: expected head dim {head_dim} (same as q), got {k.shape[3]}")
-    _expect(nheads >= 1 and nheads_kv >= 1, f"k: expected at least one head, got q {nheads}, k {nheads_kv}")
-    _expect(nheads % nheads_kv == 0,
-            f"k: expected nheads of q ({nheads}) to be a multiple of nheads of k/v, got {nheads_kv}")
-    _expect(head_dim <= MAX_HEAD_DIM, f"q: expected head dim <= {MAX_HEAD_DIM}, got {head_dim}")
-    _expect(head_dim >= 8 and head_dim % 8 == 0,
-            f"q: expected head dim to be a multiple of 8 (pad it), got {head_dim}")
+    expect(v.shape == k.shape, lambda: f"v: expected shape {k.shape} (same as k), got {v.shape}")
+    expect(k.shape[0] == batch, lambda: f"k: expected batch {batch} (same as q), got {k.shape[0]}")
+    expect(k.shape[3] == head_dim, lambda: f"k: expected head dim {head_dim} (same as q), got {k.shape[3]}")
+    expect(nheads >= 1 and nheads_kv >= 1, lambda: f"k: expected at least one head, got q {nheads}, k {nheads_kv}")
+    expect(nheads % nheads_kv == 0,
+            lambda: f"k: expected nheads of q ({nheads}) to be a multiple of nheads of k/v, got {nheads_kv}")
+    expect(head_dim <= MAX_HEAD_DIM, lambda: f"q: expected head dim <= {MAX_HEAD_DIM}, got {head_dim}")
+    expect(head_dim >= 8 and head_dim % 8 == 0,
+            lambda: f"q: expected head dim to be a multiple of 8 (pad it), got {head_dim}")
     if check_pointers:
         for name, info in (("q", q), ("k", k), ("v", v)):
             check_alignment(name, info)
@@ -109,15 +111,15 @@ def validate_qkv(q: TensorInfo, k: TensorInfo, v: TensorInfo, softmax_scale=None
 
 def validate_out(out: TensorInfo, shape: AttentionShape, check_pointers: bool = True) -> None:
     expected = (shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim)
-    _expect(out.shape == expected, f"out: expected shape {expected}, got {out.shape}")
-    _expect(out.dtype == shape.dtype, f"out: expected dtype {shape.dtype} (same as q), got {out.dtype}", TypeError)
-    _expect(out.strides[-1] == 1, f"out: expected a contiguous last dim (stride 1), got stride {out.strides[-1]}")
+    expect(out.shape == expected, lambda: f"out: expected shape {expected}, got {out.shape}")
+    expect(out.dtype == shape.dtype, lambda: f"out: expected dtype {shape.dtype} (same as q), got {out.dtype}", TypeError)
+    expect(out.strides[-1] == 1, lambda: f"out: expected a contiguous last dim (stride 1), got stride {out.strides[-1]}")
     if check_pointers:
         check_alignment("out", out)
 
 
 def check_compute_capability(major: int, minor: int) -> int:
     arch = major * 10 + minor
-    _expect(arch >= 80, f"device: expected a GPU of compute capability >= 8.0 (Ampere or newer), "
+    expect(arch >= 80, lambda: f"device: expected a GPU of compute capability >= 8.0 (Ampere or newer), "
                         f"got {major}.{minor}", RuntimeError)
     return arch
