@@ -11,22 +11,18 @@ import math
 
 import numpy as np
 
+from . import dropout as dropout_rng
 from . import interop, launch, reference
-from .features import (
-    PLAIN,
-    Features,
-    check_alibi,
-    check_dropout,
-    check_softcap,
-    check_window,
-)
+from .dropout import check_dropout
+from .features import PLAIN, Features, check_alibi, check_softcap, check_window
 from .validate import AttentionShape, validate_out, validate_qkv
 
 _MAX_GRID_YZ = 65535
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, out=None):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, out=None,
+                    dropout_seed=None):
     """Exact attention softmax(scale * q k^T) v, FlashAttention-2 style.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), fp16 or bf16,
@@ -35,49 +31,73 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     window_size = (left, right) (-1 = unbounded) and causal meaning right = 0.
     softcap > 0: logits become softcap * tanh(scale * q.k / softcap). alibi_slopes: fp32 (nheads,)
     or (batch, nheads); adds -slope * |i + seqlen_k - seqlen_q - j| to the logits.
+    dropout_p > 0: attention dropout with a counter-based Philox mask drawn from dropout_seed (a new
+    random seed when None); the backward regenerates the same mask (cuflash2.dropout).
     Returns out (same shape and type as q), or (out, softmax_lse, attn_probs) when return_attn_probs:
     softmax_lse is fp32 (batch, nheads, seqlen_q), natural log; attn_probs (batch, nheads, seqlen_q,
-    seqlen_k) fp32 is materialised in full and meant for testing only.
+    seqlen_k) fp32 is materialised in full and meant for testing only (with dropout, dropped entries
+    are negated, as FA2's S_dmask).
     """
-    check_dropout(dropout_p)
+    dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
     window, softcap = check_window(window_size), check_softcap(softcap)
     framework = interop.framework_of(q)
     if framework == "torch":  # differentiable torch.library custom op
         from . import torch_ops
 
         out, lse = torch_ops.forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
-                                     out)
+                                     out, dropout)
     elif framework == "jax":  # differentiable, jit-able (custom_vjp over buffer_callback)
         from . import jax_ops
 
         if out is not None:
             raise TypeError("out: JAX arrays are immutable; out= is not supported with JAX inputs")
+        if dropout[0] > 0:
+            raise NotImplementedError("dropout_p: dropout is not supported with JAX arrays yet")
         out, lse = jax_ops.forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic)
     else:
         out, lse = flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window,
-                                      softcap=softcap, alibi_slopes=alibi_slopes, out=out)
+                                      softcap=softcap, alibi_slopes=alibi_slopes, out=out, dropout_p=dropout[0],
+                                      dropout_seed=dropout[1])
     if not return_attn_probs:
         return out
     return out, lse, attention_probs(q, k, lse, softmax_scale=softmax_scale, causal=causal, window_size=window,
-                                     softcap=softcap, alibi_slopes=alibi_slopes)
+                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout[0],
+                                     dropout_seed=dropout[1])
+
+
+def resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed: bool) -> tuple[float, int, int]:
+    """(p, seed, offset), checked. Without a seed, draw_seed picks a fresh one (the autograd entry
+    points, which keep it for the backward); the explicit forward/backward functions need it given."""
+    p = check_dropout(dropout_p)
+    if p == 0.0:
+        return 0.0, 0, 0
+    if dropout_seed is None:
+        if not draw_seed:
+            raise ValueError("dropout_seed: expected an int with dropout_p > 0 (the backward must regenerate "
+                             "the forward's mask), got None")
+        dropout_seed = dropout_rng.new_seed()
+    seed = dropout_rng.check_seed("dropout_seed", dropout_seed)
+    offset = dropout_rng.check_seed("dropout_offset", dropout_offset)
+    return p, seed, offset
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             out=None):
+                             out=None, dropout_seed=None):
     """As flash_attn_func with kv of shape (batch, seqlen_k, 2, nheads_kv, headdim)."""
     _check_packed("kv", kv, 2)
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs, out=out)
+                           alibi_slopes, deterministic, return_attn_probs, out=out, dropout_seed=dropout_seed)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              out=None):
+                              out=None, dropout_seed=None):
     """As flash_attn_func with qkv of shape (batch, seqlen, 3, nheads, headdim)."""
     _check_packed("qkv", qkv, 3)
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                           softcap, alibi_slopes, deterministic, return_attn_probs, out=out)
+                           softcap, alibi_slopes, deterministic, return_attn_probs, out=out,
+                           dropout_seed=dropout_seed)
 
 
 def _check_packed(name: str, x, parts: int) -> None:
@@ -87,37 +107,42 @@ def _check_packed(name: str, x, parts: int) -> None:
 
 
 def flash_attn_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, out=None):
-    """Forward pass returning (out, softmax_lse); the building block of the public functions."""
+                       alibi_slopes=None, out=None, *, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+    """Forward pass returning (out, softmax_lse); the building block of the public functions.
+    With dropout_p > 0, dropout_seed (and dropout_offset) must be given: pass the same to the
+    backward."""
     window, softcap = check_window(window_size), check_softcap(softcap)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":
-        return _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, out)
+        return _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, out, dropout)
     with interop.gpu_call(q) as call:
         shape, infos = _validated_inputs(call, q, k, v, softmax_scale)
-        features = gpu_features(call, shape, infos[0].device, window, softcap, alibi_slopes)
+        features = gpu_features(call, shape, infos[0].device, window, softcap, alibi_slopes, dropout)
         out_array, out_info = _output(call, out, shape, infos[0], q)
         lse, lse_info = call.empty((shape.batch, shape.nheads, shape.seqlen_q), "float32")
         _forward(call, infos, out_info, lse_info, shape, causal, features)
         return (out if out is not None else call.result(out_array)), call.result(lse)
 
 
-def gpu_features(call, shape: AttentionShape, device: str, window, softcap, alibi_slopes, **varlen) -> Features:
-    """Validated Features of a GPU call (window and softcap already checked)."""
+def gpu_features(call, shape: AttentionShape, device: str, window, softcap, alibi_slopes, dropout=(0.0, 0, 0),
+                 **varlen) -> Features:
+    """Validated Features of a GPU call (window, softcap and dropout already checked)."""
     alibi = None
     if alibi_slopes is not None:
         alibi = call.tensor("alibi_slopes", alibi_slopes)
         check_alibi(alibi, shape.batch, shape.nheads, device)
-    features = Features(window[0], window[1], softcap, alibi, **varlen)
-    return features
+    return Features(window[0], window[1], softcap, alibi, dropout_p=dropout[0], dropout_seed=dropout[1],
+                    dropout_offset=dropout[2], **varlen)
 
 
 def forward_into(q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None) -> None:
+                 alibi_slopes=None, *, dropout_p=0.0, dropout_seed=None, dropout_offset=0) -> None:
     """Forward pass writing into caller-allocated out and softmax_lse (GPU arrays of any framework)."""
     window, softcap = check_window(window_size), check_softcap(softcap)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     with interop.gpu_call(q) as call:
         shape, infos = _validated_inputs(call, q, k, v, softmax_scale)
-        features = gpu_features(call, shape, infos[0].device, window, softcap, alibi_slopes)
+        features = gpu_features(call, shape, infos[0].device, window, softcap, alibi_slopes, dropout)
         _, out_info = _output(call, out, shape, infos[0], q)
         lse_info = call.output("softmax_lse", softmax_lse)
         expected = (shape.batch, shape.nheads, shape.seqlen_q)
@@ -174,7 +199,7 @@ def _check_grid(shape: AttentionShape) -> None:
             raise ValueError(f"q: expected {name} <= {_MAX_GRID_YZ}, got {value}")
 
 
-def _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, out):
+def _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, out, dropout=(0.0, 0, 0)):
     """CPU path: the NumPy tiled reference (slow; for CPU use and tests)."""
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, np.ndarray):
@@ -185,6 +210,12 @@ def _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes
     if shape.seqlen_k == 0 or shape.batch == 0 or shape.seqlen_q == 0:
         result = np.zeros(q.shape, dtype=q.dtype)
         lse = np.full((shape.batch, shape.nheads, shape.seqlen_q), np.inf, dtype=np.float32)
+    elif dropout[0] > 0:  # the dense reference with the kernels' mask
+        keep, rescale = numpy_dropout_mask(dropout, shape)
+        o64, lse = reference.attention_naive(q, k, v, softmax_scale=shape.softmax_scale, causal=causal,
+                                             window_size=window, softcap=softcap, alibi_slopes=slopes,
+                                             dropout_mask=keep, dropout_rescale=rescale)
+        result = o64.astype(q.dtype)
     else:
         o32, lse = reference.attention_tiled(q, k, v, softmax_scale=shape.softmax_scale, causal=causal,
                                              window_size=window, softcap=softcap, alibi_slopes=slopes,
@@ -199,6 +230,13 @@ def _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes
     return result, lse.astype(np.float32)
 
 
+def numpy_dropout_mask(dropout, shape: AttentionShape, xp=np):
+    """(keep mask (batch, nheads, seqlen_q, seqlen_k), 1 / (1 - effective p)) of a dropout call."""
+    p, seed, offset = dropout
+    keep = dropout_rng.keep_mask(xp, seed, offset, shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k, p)
+    return keep, 1.0 / (1.0 - dropout_rng.effective_dropout(p))
+
+
 def numpy_alibi(alibi_slopes, shape: AttentionShape):
     """Validated host ALiBi slopes for the NumPy path (None when off)."""
     if alibi_slopes is None:
@@ -210,20 +248,32 @@ def numpy_alibi(alibi_slopes, shape: AttentionShape):
 
 
 def attention_probs(q, k, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None):
+                    alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """softmax of the (masked, softcapped, ALiBi-biased) logits as fp32 (batch, nheads, seqlen_q,
-    seqlen_k), rebuilt from the LSE.
+    seqlen_k), rebuilt from the LSE. With dropout, the entries the kernels dropped are negated
+    (FA2's S_dmask convention); the kept ones are not rescaled.
 
     Materialises the full matrix: for tests and debugging only.
     """
     window, softcap = check_window(window_size), check_softcap(softcap)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":
-        return _probs(np, q, k, softmax_lse, softmax_scale, causal, window, softcap, alibi_slopes)
+        probs = _probs(np, q, k, softmax_lse, softmax_scale, causal, window, softcap, alibi_slopes)
+        return _mark_dropped(np, probs, dropout)
     with interop.gpu_call(q) as call:
         qa, ka, la = (call.to_cupy(n, x) for n, x in (("q", q), ("k", k), ("softmax_lse", softmax_lse)))
         slopes = None if alibi_slopes is None else call.to_cupy("alibi_slopes", alibi_slopes)
-        return call.result(_probs(interop.import_cupy(), qa, ka, la, softmax_scale, causal, window, softcap,
-                                  slopes))
+        cp = interop.import_cupy()
+        probs = _probs(cp, qa, ka, la, softmax_scale, causal, window, softcap, slopes)
+        return call.result(_mark_dropped(cp, probs, dropout))
+
+
+def _mark_dropped(xp, probs, dropout):
+    if dropout[0] == 0:
+        return probs
+    b, h, sq, sk = probs.shape
+    keep = dropout_rng.keep_mask(xp, dropout[1], dropout[2], b, h, sq, sk, dropout[0])
+    return xp.where(keep, probs, -probs)
 
 
 def _probs(xp, q, k, lse, softmax_scale, causal, window=(-1, -1), softcap=0.0, slopes=None):

@@ -10,27 +10,30 @@ from __future__ import annotations
 import numpy as np
 
 from . import interop, launch, reference
-from .api import _check_grid, _fill, gpu_features, numpy_alibi
+from .api import _check_grid, _fill, gpu_features, numpy_alibi, numpy_dropout_mask, resolve_dropout
 from .features import check_softcap, check_window
 from .validate import AttentionShape, check_alignment, validate_qkv
 
 
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None):
+                        softcap=0.0, alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, *,
+                        dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """Gradients of flash_attn_func: returns (dq, dk, dv) shaped like q, k, v.
 
     dout, out: (batch, seqlen_q, nheads, headdim) like q; softmax_lse: fp32 (batch, nheads, seqlen_q)
-    as returned by flash_attn_forward. dq/dk/dv may be given to receive the results.
+    as returned by flash_attn_forward. dq/dk/dv may be given to receive the results. Dropout takes
+    the forward's dropout_p, dropout_seed and dropout_offset (the mask is regenerated).
     """
     window, softcap = check_window(window_size), check_softcap(softcap)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":
         return _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window, softcap, alibi_slopes,
-                               dq, dk, dv)
+                               dq, dk, dv, dropout)
     with interop.gpu_call(q) as call:
         q_i, k_i, v_i = (call.tensor(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
         shape = validate_qkv(q_i, k_i, v_i, softmax_scale)
         _check_grid(shape)
-        features = gpu_features(call, shape, q_i.device, window, softcap, alibi_slopes)
+        features = gpu_features(call, shape, q_i.device, window, softcap, alibi_slopes, dropout)
         do_i, out_i, lse_i = (call.tensor(n, x) for n, x in (("dout", dout), ("out", out), ("softmax_lse", softmax_lse)))
         _check_like("dout", do_i, q_i)
         _check_like("out", out_i, q_i)
@@ -77,7 +80,8 @@ def _check_lse(info, shape: AttentionShape) -> None:
         raise ValueError(f"softmax_lse: expected a contiguous array, got strides {info.strides}")
 
 
-def _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window, softcap, alibi_slopes, dq, dk, dv):
+def _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window, softcap, alibi_slopes, dq, dk, dv,
+                    dropout=(0.0, 0, 0)):
     """CPU path: the NumPy tiled reference backward (slow; for CPU use and tests)."""
     arrays = {"dout": dout, "k": k, "v": v, "out": out, "softmax_lse": softmax_lse}
     for name, x in arrays.items():
@@ -90,6 +94,13 @@ def _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, wind
     _check_lse(interop.describe("softmax_lse", softmax_lse), shape)
     if shape.seqlen_k == 0 or shape.seqlen_q == 0 or shape.batch == 0:
         grads = tuple(np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+    elif dropout[0] > 0:  # the dense reference with the kernels' mask
+        keep, rescale = numpy_dropout_mask(dropout, shape)
+        grads = reference.attention_backward_naive(dout, q, k, v, out, softmax_lse, softmax_scale=shape.softmax_scale,
+                                                   causal=causal, window_size=window, softcap=softcap,
+                                                   alibi_slopes=numpy_alibi(alibi_slopes, shape), dropout_mask=keep,
+                                                   dropout_rescale=rescale)
+        grads = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
     else:
         grads = reference.attention_backward_tiled(dout, q, k, v, out, softmax_lse, softmax_scale=shape.softmax_scale,
                                                    causal=causal, window_size=window, softcap=softcap,

@@ -153,9 +153,10 @@ _FWD_TILES_LARGE_SMEM = {
 # Causal head dim 256: the 128x64 / 8-warp tile (265 TFLOP/s) spills 8 bytes on sm_90 (an extra
 # live mask index), so causal calls use 32-key blocks (228 TFLOP/s, H200, seqlen 4k).
 _FWD_CAUSAL_TILES_LARGE_SMEM = {256: (128, 32, 8, 2)}
-# Variant kernels (window / softcap / ALiBi / varlen) keep a few more values live per element: the
-# 64-key tiles of head dims 224 and 256 spill there, 32-key blocks do not.
-_FWD_VARIANT_TILES_LARGE_SMEM = {224: (128, 32, 8, 2), 256: (128, 32, 8, 2)}
+# Variant kernels (window / softcap / ALiBi / varlen / dropout) keep more values live per element:
+# the 64-key tiles of head dims 224 and 256 spill there, 32-key blocks do not; head dim 64 needs 8
+# warps (16 rows each) once the dropout draws are in, and head dim 32 too on sm_80/sm_86.
+_FWD_VARIANT_TILES_LARGE_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 3), 224: (128, 32, 8, 2), 256: (128, 32, 8, 2)}
 # 99 KB parts. ptxas for sm_86 allocates differently from sm_80/sm_90: head dims 128 and 256 spill
 # with the large-smem shapes, hence 8 warps for 128 and 32-key blocks for 256.
 _FWD_TILES_SMALL_SMEM = {
@@ -168,7 +169,8 @@ _FWD_TILES_SMALL_SMEM = {
     224: (64, 64, 4, 2),
     256: (64, 32, 4, 2),
 }
-_FWD_VARIANT_TILES_SMALL_SMEM = {224: (64, 32, 4, 2)}  # 64x64 spills 4 bytes on sm_86
+_FWD_VARIANT_TILES_SMALL_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2),
+                                 224: (64, 32, 4, 2)}  # as above; 64x64 spills on sm_86
 
 
 @functools.lru_cache(maxsize=4096)
@@ -272,8 +274,8 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
     if deterministic and atomic_dq:
         raise ValueError("atomic_dq: fp32 atomics cannot be deterministic")
     atomic_dq = bool(atomic_dq)
-    if split is None:
-        split = bucket > 128
+    if split is None:  # the variant kernels' extra state (dropout, softcap) overflows at head dim 128
+        split = bucket > 128 or (variant and bucket == 128)
     if not split:
         # 64 query rows per step up to head dim 64; above, 32 rows and a single Q/dO stage keep the
         # dK, dV and dQ accumulators within 255 registers without spilling.
@@ -281,12 +283,12 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
         main = (_bwd_main(dtype, bucket, block_m, causal, variant, (True, True, atomic_dq, gqa), arch, stages),)
     else:
         dk_block_m, dk_stages = (64, 2) if bucket <= 128 else (32, 1)
-        dv_block_m = 32 if variant and bucket > 224 else 64  # the variant dV kernel spills at 64 rows
+        dv_block_m = 32 if variant and bucket > 192 else 64  # the variant dV kernel spills at 64 rows
         main = (_bwd_main(dtype, bucket, dv_block_m, causal, variant, (True, False, False, gqa), arch),
                 _bwd_main(dtype, bucket, dk_block_m, causal, variant, (False, True, atomic_dq, gqa), arch, dk_stages))
     dq = None
     if not atomic_dq:
-        block_n = 64 if bucket <= 128 else 32
+        block_n = 64 if bucket <= 128 else (16 if variant and bucket > 224 else 32)  # variant d256: dropout draws
         dq = KernelConfig(BWD_DQ, dtype, bucket, 64, block_n, 4, 0, causal, variant=variant)
         assert dq.smem_bytes <= smem_limit(arch)
     return BackwardPlan(KernelConfig(BWD_DOT, dtype, bucket, warps=8), main, dq,

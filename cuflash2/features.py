@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from .dropout import dropout_threshold
 from .validate import AttentionShape, TensorInfo, expect
 
 #: Window sides at or beyond this are unbounded (keeps the kernels' int arithmetic far from overflow).
@@ -31,6 +32,9 @@ class Features:
     cu_seqlens_k: TensorInfo | None = None
     total_q: int = 0  # varlen: rows of the packed q and k tensors
     total_k: int = 0
+    dropout_p: float = 0.0  # requested drop probability (applied as dropout.effective_dropout)
+    dropout_seed: int = 0
+    dropout_offset: int = 0
 
     @property
     def varlen(self) -> bool:
@@ -39,7 +43,8 @@ class Features:
     def is_plain(self, causal: bool) -> bool:
         """True when the plain kernels compute this call exactly."""
         window_plain = self.window_left < 0 and (self.window_right < 0 or (causal and self.window_right >= 0))
-        return window_plain and self.softcap == 0.0 and self.alibi is None and not self.varlen
+        return (window_plain and self.softcap == 0.0 and self.alibi is None and not self.varlen
+                and self.dropout_p == 0.0)
 
     @property
     def modifies_scores(self) -> bool:
@@ -48,7 +53,8 @@ class Features:
 
     def kernel_args(self, causal: bool, softmax_scale: float) -> tuple:
         """(scale_log2, softmax_scale, cu_seqlens_q, cu_seqlens_k, window_left, window_right, softcap,
-        alibi_slopes, alibi_batch_stride) as the kernels take them."""
+        alibi_slopes, alibi_batch_stride, dropout_seed, dropout_offset, dropout_threshold,
+        dropout_rescale) as the kernels take them."""
         left = UNBOUNDED if self.window_left < 0 else min(self.window_left, UNBOUNDED)
         right = UNBOUNDED if self.window_right < 0 else min(self.window_right, UNBOUNDED)
         if causal:
@@ -56,11 +62,14 @@ class Features:
         scale_log2 = LOG2_E if self.modifies_scores else softmax_scale * LOG2_E
         alibi_ptr = self.alibi.data_ptr if self.alibi is not None else 0
         alibi_batch_stride = self.alibi.strides[0] if self.alibi is not None and len(self.alibi.shape) == 2 else 0
+        threshold = dropout_threshold(self.dropout_p)
         return (np.float32(scale_log2), np.float32(softmax_scale),
                 np.uint64(self.cu_seqlens_q.data_ptr if self.varlen else 0),
                 np.uint64(self.cu_seqlens_k.data_ptr if self.varlen else 0),
                 np.int32(left), np.int32(right), np.float32(self.softcap),
-                np.uint64(alibi_ptr), np.int64(alibi_batch_stride))
+                np.uint64(alibi_ptr), np.int64(alibi_batch_stride), np.int64(self.dropout_seed),
+                np.int64(self.dropout_offset & 0xFFFFFFFF), np.int32(threshold),
+                np.float32(256.0 / (256 - threshold)))
 
 
 PLAIN = Features()
@@ -85,11 +94,6 @@ def check_softcap(softcap) -> float:
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}") from None
     expect(math.isfinite(value) and value >= 0.0, lambda: f"softcap: expected a finite number >= 0, got {value}")
     return value
-
-
-def check_dropout(dropout_p) -> None:
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p: only 0.0 is supported so far, got {dropout_p}")
 
 
 def check_alibi(info: TensorInfo, batch: int, nheads: int, device: str) -> None:

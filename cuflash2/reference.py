@@ -241,18 +241,24 @@ def _dense_softmax(s):
 
 
 def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None):
-    """Dense float64 attention: returns out (b, sq, hq, d) and lse (b, hq, sq), both float64."""
+                    softcap=0.0, alibi_slopes=None, dropout_mask=None, dropout_rescale=1.0):
+    """Dense float64 attention: returns out (b, sq, hq, d) and lse (b, hq, sq), both float64.
+
+    dropout_mask (b, hq, sq, sk) bool: kept entries of P, scaled by dropout_rescale (the LSE is
+    that of the softmax before dropout)."""
     (qh, kh, vh), prob = _prepare(q, k, v, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, np.float64)
     rows, cols = np.arange(prob.seqlen_q), np.arange(prob.seqlen_k)
     s, _ = _scores(qh, kh, rows, cols, prob)
     p, lse = _dense_softmax(_mask(s, rows, cols, prob))
+    if dropout_mask is not None:
+        p = p * dropout_mask * dropout_rescale
     return _seq_first(p @ vh), lse
 
 
 def attention_backward_naive(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
-                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_mask=None,
+                             dropout_rescale=1.0):
     """Analytic float64 gradients (dq, dk, dv) of attention, shaped like q, k, v.
 
     P is recomputed from lse (so out/lse must come from the same forward); with
@@ -269,12 +275,17 @@ def attention_backward_naive(dout, q, k, v, out, lse, softmax_scale=None, causal
     vis = _visible(rows, cols, prob.seqlen_q, prob.seqlen_k, causal, window_size)
     keep = vis & np.isfinite(lse)[..., None]  # lse = +inf marks a row that sees nothing
     p = np.exp(np.where(keep, s - np.where(np.isfinite(lse), lse, 0.0)[..., None], -np.inf))
-    ds = p * (do @ _swap(vh) - (do * o).sum(axis=-1, keepdims=True))
+    dp = do @ _swap(vh)
+    p_dropped = p
+    if dropout_mask is not None:  # dV = (P Z r)^T dO, dS = P (Z r dP - D)
+        p_dropped = p * dropout_mask * dropout_rescale
+        dp = dp * dropout_mask * dropout_rescale
+    ds = p * (dp - (do * o).sum(axis=-1, keepdims=True))
     if t is not None:
         ds = ds * (1.0 - t * t)
     dq = prob.scale * (ds @ kh)
     dk = prob.scale * (_swap(ds) @ qh)
-    dv = _swap(p) @ do
+    dv = _swap(p_dropped) @ do
     return _seq_first(dq), _seq_first(dk, prob.groups), _seq_first(dv, prob.groups)
 
 

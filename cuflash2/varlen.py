@@ -17,29 +17,22 @@ import dataclasses
 import numpy as np
 
 from . import interop, launch, reference
-from .api import _check_grid, _fill, _probs, gpu_features, numpy_alibi
-from .features import (
-    as_batched,
-    check_cu_seqlens,
-    check_dropout,
-    check_max_seqlen,
-    check_softcap,
-    check_window,
-    varlen_shape,
-)
+from . import dropout as dropout_rng
+from .api import _check_grid, _fill, _probs, gpu_features, numpy_alibi, resolve_dropout
+from .features import as_batched, check_cu_seqlens, check_max_seqlen, check_softcap, check_window, varlen_shape
 from .validate import AttentionShape, TensorInfo, check_alignment, validate_qkv
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, *, out=None):
+                           deterministic=False, return_attn_probs=False, *, out=None, dropout_seed=None):
     """Attention over packed variable-length sequences; options as flash_attn_func.
 
     Returns out (total_q, nheads, headdim), or (out, softmax_lse, attn_probs) when return_attn_probs:
     softmax_lse fp32 (nheads, total_q); attn_probs fp32 (batch, nheads, max_seqlen_q, max_seqlen_k),
     zero outside each sequence (testing only).
     """
-    check_dropout(dropout_p)
+    dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
     window, softcap = check_window(window_size), check_softcap(softcap)
     max_seqlen_q, max_seqlen_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k",
                                                                                                   max_seqlen_k)
@@ -48,37 +41,41 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         from . import torch_ops
 
         out, lse = torch_ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            softmax_scale, causal, window, softcap, alibi_slopes, deterministic, out)
+                                            softmax_scale, causal, window, softcap, alibi_slopes, deterministic, out,
+                                            dropout)
     elif framework == "jax":
         raise NotImplementedError("q: the varlen functions do not take JAX arrays yet (cu_seqlens are checked on "
                                   "the host); pad the batch and use flash_attn_func")
     else:
         out, lse = flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                             softmax_scale, causal, window, softcap, alibi_slopes, out=out)
+                                             softmax_scale, causal, window, softcap, alibi_slopes, out=out,
+                                             dropout_p=dropout[0], dropout_seed=dropout[1])
     if not return_attn_probs:
         return out
     return out, lse, varlen_attention_probs(q, k, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            softmax_scale, causal, window, softcap, alibi_slopes)
+                                            softmax_scale, causal, window, softcap, alibi_slopes,
+                                            dropout_p=dropout[0], dropout_seed=dropout[1])
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, out=None):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, out=None,
+                                    dropout_seed=None):
     """As flash_attn_varlen_func with kv of shape (total_k, 2, nheads_kv, headdim)."""
     _check_packed("kv", kv, 2)
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs, out=out)
+                                  return_attn_probs, out=out, dropout_seed=dropout_seed)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False, *, out=None):
+                                     return_attn_probs=False, *, out=None, dropout_seed=None):
     """As flash_attn_varlen_func with qkv of shape (total, 3, nheads, headdim)."""
     _check_packed("qkv", qkv, 3)
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs, out=out)
+                                  return_attn_probs, out=out, dropout_seed=dropout_seed)
 
 
 def _check_packed(name: str, x, parts: int) -> None:
@@ -123,7 +120,7 @@ def _validate(q, k, v, softmax_scale, cu_q: TensorInfo, cu_q_values, cu_k: Tenso
 
 
 def _gpu_inputs(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window,
-                softcap, alibi_slopes):
+                softcap, alibi_slopes, dropout):
     infos = [call.tensor(name, x) for name, x in (("q", q), ("k", k), ("v", v))]
     cu = []
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -131,7 +128,7 @@ def _gpu_inputs(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
             raise TypeError(f"{name}: expected a GPU array like q, got a NumPy array")
         cu.append((call.tensor(name, x), call.to_cupy(name, x).get()))  # host copy for the checks
     problem = _validate(*infos, softmax_scale, *cu[0], *cu[1], max_seqlen_q, max_seqlen_k, check_pointers=True)
-    base = gpu_features(call, problem.shape, infos[0].device, window, softcap, alibi_slopes)
+    base = gpu_features(call, problem.shape, infos[0].device, window, softcap, alibi_slopes, dropout)
     features = dataclasses.replace(base, cu_seqlens_q=cu[0][0], cu_seqlens_k=cu[1][0], total_q=q.shape[0],
                                    total_k=k.shape[0])
     return problem, features
@@ -140,15 +137,18 @@ def _gpu_inputs(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 # ---- forward ------------------------------------------------------------------------------------
 
 def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                              causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, out=None):
-    """Varlen forward returning (out, softmax_lse (nheads, total_q))."""
+                              causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, out=None, *,
+                              dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+    """Varlen forward returning (out, softmax_lse (nheads, total_q)). Dropout as flash_attn_forward
+    (sequence b of the batch draws its mask as batch entry b)."""
     window, softcap = check_window(window_size), check_softcap(softcap)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":
         return _forward_numpy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                              window, softcap, alibi_slopes, out)
+                              window, softcap, alibi_slopes, out, dropout)
     with interop.gpu_call(q) as call:
         problem, features = _gpu_inputs(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        softmax_scale, window, softcap, alibi_slopes)
+                                        softmax_scale, window, softcap, alibi_slopes, dropout)
         shape = problem.shape
         if out is None:
             out, out_info = call.empty(problem.q.shape, shape.dtype, like=q)
@@ -199,8 +199,17 @@ def _numpy_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return problem, slopes
 
 
+def _sequence_mask(dropout, b: int, nheads: int, seqlen_q: int, seqlen_k: int):
+    """(keep mask (1, nheads, seqlen_q, seqlen_k), rescale) of varlen sequence b, or (None, 1.0)."""
+    if dropout[0] == 0:
+        return None, 1.0
+    keep = dropout_rng.keep_mask(np, dropout[1], dropout[2], 1, nheads, seqlen_q, seqlen_k, dropout[0],
+                                 batch_index=[b])
+    return keep, 1.0 / (1.0 - dropout_rng.effective_dropout(dropout[0]))
+
+
 def _forward_numpy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
-                   softcap, alibi_slopes, out):
+                   softcap, alibi_slopes, out, dropout=(0.0, 0, 0)):
     """CPU path: the tiled NumPy reference, one sequence at a time."""
     problem, slopes = _numpy_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      alibi_slopes)
@@ -209,10 +218,19 @@ def _forward_numpy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     for b, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
         if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
             continue
-        o, l_b = reference.attention_tiled(q[None, rows_q], k[None, rows_k], v[None, rows_k],
-                                           softmax_scale=problem.shape.softmax_scale, causal=causal,
-                                           window_size=window, softcap=softcap,
-                                           alibi_slopes=None if slopes is None else slopes[b:b + 1], p_dtype=q.dtype)
+        seq_slopes = None if slopes is None else slopes[b:b + 1]
+        if dropout[0] > 0:  # the dense reference with the kernels' mask
+            keep, rescale = _sequence_mask(dropout, b, problem.shape.nheads, rows_q.stop - rows_q.start,
+                                           rows_k.stop - rows_k.start)
+            o, l_b = reference.attention_naive(q[None, rows_q], k[None, rows_k], v[None, rows_k],
+                                               softmax_scale=problem.shape.softmax_scale, causal=causal,
+                                               window_size=window, softcap=softcap, alibi_slopes=seq_slopes,
+                                               dropout_mask=keep, dropout_rescale=rescale)
+        else:
+            o, l_b = reference.attention_tiled(q[None, rows_q], k[None, rows_k], v[None, rows_k],
+                                               softmax_scale=problem.shape.softmax_scale, causal=causal,
+                                               window_size=window, softcap=softcap, alibi_slopes=seq_slopes,
+                                               p_dtype=q.dtype)
         result[rows_q] = o[0].astype(q.dtype)
         lse[:, rows_q] = l_b[0]
     if out is not None:
@@ -225,24 +243,26 @@ def _forward_numpy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def varlen_attention_probs(q, k, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """Attention probabilities of a varlen call as fp32 (batch, nheads, max_seqlen_q, max_seqlen_k),
-    zero-padded (testing only)."""
+    zero-padded (testing only); entries dropped by dropout are negated."""
     window, softcap = check_window(window_size), check_softcap(softcap)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":
         return _varlen_probs(np, q, k, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             softmax_scale, causal, window, softcap, alibi_slopes)
+                             softmax_scale, causal, window, softcap, alibi_slopes, dropout)
     with interop.gpu_call(q) as call:
         arrays = [call.to_cupy(n, x) for n, x in (("q", q), ("k", k), ("softmax_lse", softmax_lse))]
         cu_q, cu_k = (call.to_cupy(n, x).get() for n, x in (("cu_seqlens_q", cu_seqlens_q),
                                                              ("cu_seqlens_k", cu_seqlens_k)))
         slopes = None if alibi_slopes is None else call.to_cupy("alibi_slopes", alibi_slopes)
         return call.result(_varlen_probs(interop.import_cupy(), *arrays, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
-                                         softmax_scale, causal, window, softcap, slopes))
+                                         softmax_scale, causal, window, softcap, slopes, dropout))
 
 
 def _varlen_probs(xp, q, k, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, softcap,
-                  slopes):
+                  slopes, dropout=(0.0, 0, 0)):
     batch, nheads = len(cu_q) - 1, q.shape[1]
     probs = xp.zeros((batch, nheads, max_seqlen_q, max_seqlen_k), dtype=xp.float32)
     if softmax_scale is None:
@@ -254,8 +274,12 @@ def _varlen_probs(xp, q, k, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax
         slopes_b = None
         if slopes is not None:
             slopes_b = xp.broadcast_to(xp.asarray(slopes).reshape(-1, nheads), (batch, nheads))[b:b + 1]
-        probs[b, :, :sq, :sk] = _probs(xp, q[None, rows_q], k[None, rows_k], lse[None, :, rows_q], softmax_scale,
-                                       causal, window, softcap, slopes_b)[0]
+        seq_probs = _probs(xp, q[None, rows_q], k[None, rows_k], lse[None, :, rows_q], softmax_scale, causal, window,
+                           softcap, slopes_b)
+        if dropout[0] > 0:
+            keep = dropout_rng.keep_mask(xp, dropout[1], dropout[2], 1, nheads, sq, sk, dropout[0], batch_index=[b])
+            seq_probs = xp.where(keep, seq_probs, -seq_probs)
+        probs[b, :, :sq, :sk] = seq_probs[0]
     return probs
 
 
@@ -263,17 +287,19 @@ def _varlen_probs(xp, q, k, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax
 
 def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                               alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None):
+                               alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, *, dropout_p=0.0,
+                               dropout_seed=None, dropout_offset=0):
     """Gradients of flash_attn_varlen_func: (dq, dk, dv) shaped like the packed q, k, v."""
     window, softcap = check_window(window_size), check_softcap(softcap)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     max_seqlen_q, max_seqlen_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k",
                                                                                                   max_seqlen_k)
     if interop.framework_of(q) == "numpy":
         return _backward_numpy(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k, softmax_scale, causal, window, softcap, alibi_slopes, dq, dk, dv)
+                               max_seqlen_k, softmax_scale, causal, window, softcap, alibi_slopes, dq, dk, dv, dropout)
     with interop.gpu_call(q) as call:
         problem, features = _gpu_inputs(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        softmax_scale, window, softcap, alibi_slopes)
+                                        softmax_scale, window, softcap, alibi_slopes, dropout)
         shape = problem.shape
         do_i, out_i, lse_i = (call.tensor(n, x) for n, x in (("dout", dout), ("out", out), ("softmax_lse", softmax_lse)))
         for name, info in (("dout", do_i), ("out", out_i)):
@@ -315,7 +341,7 @@ def _check_lse(info: TensorInfo, nheads: int, total_q: int) -> None:
 
 
 def _backward_numpy(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, causal, window, softcap, alibi_slopes, dq, dk, dv):
+                    softmax_scale, causal, window, softcap, alibi_slopes, dq, dk, dv, dropout=(0.0, 0, 0)):
     problem, slopes = _numpy_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      alibi_slopes, (("dout", dout), ("out", out), ("softmax_lse", softmax_lse)))
     for name, x in (("dout", dout), ("out", out)):
@@ -325,11 +351,16 @@ def _backward_numpy(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
     for b, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
         if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
             continue
-        g = reference.attention_backward_tiled(dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
-                                               out[None, rows_q], softmax_lse[None, :, rows_q],
-                                               softmax_scale=problem.shape.softmax_scale, causal=causal,
-                                               window_size=window, softcap=softcap,
-                                               alibi_slopes=None if slopes is None else slopes[b:b + 1])
+        args = (dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], out[None, rows_q],
+                softmax_lse[None, :, rows_q])
+        options = dict(softmax_scale=problem.shape.softmax_scale, causal=causal, window_size=window, softcap=softcap,
+                       alibi_slopes=None if slopes is None else slopes[b:b + 1])
+        if dropout[0] > 0:
+            keep, rescale = _sequence_mask(dropout, b, problem.shape.nheads, rows_q.stop - rows_q.start,
+                                           rows_k.stop - rows_k.start)
+            g = reference.attention_backward_naive(*args, **options, dropout_mask=keep, dropout_rescale=rescale)
+        else:
+            g = reference.attention_backward_tiled(*args, **options)
         grads[0][rows_q], grads[1][rows_k], grads[2][rows_k] = g[0][0], g[1][0], g[2][0]
     result = []
     for name, given, g, like in (("dq", dq, grads[0], q), ("dk", dk, grads[1], k), ("dv", dv, grads[2], v)):

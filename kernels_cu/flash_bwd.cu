@@ -85,6 +85,8 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     if (kVariant && keys_left <= 0) return;  // varlen: past this sequence's end
     const auto mask = make_mask<kCausal, kVariant>(seq, va);
     const ScoreMod mod = ScoreMod::make(va, softmax_scale, batch, head, seq.seqlen_k - seq.seqlen_q);
+    const Dropout drop = va.dropout();
+    const int bh = batch * gridDim.y + head;
     const float kLog2e = 1.4426950408889634f;
 
     const u32 k_smem = smem_addr(smem), v_smem = k_smem + Tr::KTile::kBytes;
@@ -151,7 +153,10 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         // P^T = exp2(S^T * scale_log2 - LSE * log2 e), zero where masked. Variant kernels with a
         // score modifier turn S^T into logits first (scale_log2 is then log2 e) and keep the
         // softcap's derivative for dS.
-        float p[1][Tr::kQTiles][4], dtanh[1][Tr::kQTiles][4];
+        // The softcap derivative (1 - tanh^2, in [0, 1]) is kept as packed fp16 pairs: half the
+        // registers, and no coarser than the 16-bit dS it scales.
+        float p[1][Tr::kQTiles][4];
+        u32 dtanh[Tr::kQTiles][2];
         zero_acc(p);
         gemm_abt<T, 1, Tr::kQTiles, kHeadDim / 16>(p, k_as_a, LdsmCursor<typename Tr::QTile>(q_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
         const bool needs_mask = mask.tile_needs_mask(m_block, n_block, kBlockM, kBlockN);
@@ -162,13 +167,45 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 const int col = nt * 8 + (lane % 4) * 2 + (i & 1);
                 const int key = key0 + warp * 16 + lane / 4 + (i >= 2 ? 8 : 0);
                 float s = p[0][nt][i];
-                if (kVariant && mod.active) s = mod.apply(s, m_block * kBlockM + col, key, &dtanh[0][nt][i]);
+                if (kVariant && mod.active) {
+                    float d;
+                    s = mod.apply(s, m_block * kBlockM + col, key, &d);
+                    if (i % 2 == 0) dtanh[nt][i / 2] = Fp16::pack(d, 0.f);
+                    else dtanh[nt][i / 2] = (dtanh[nt][i / 2] & 0xffffu) | (Fp16::pack(0.f, d) & 0xffff0000u);
+                }
                 float pv = fast_exp2(fmaf(s, scale_log2, -lse_rows[col] * kLog2e));
                 if (needs_mask && !mask.visible_in_range(m_block * kBlockM + col, key)) pv = 0.f;
                 p[0][nt][i] = pv;
             }
+        // Dropout: bit nt * 4 + i of `kept` says whether entry (nt, i) survives. dV needs P * Z
+        // and dS needs P itself, so variant kernels producing both run the dV product after dS.
+        const bool dropping = kVariant && drop.active();
+        u32 kept = ~0u;
+        if (dropping) {
+            static_assert(Tr::kQTiles * 4 <= 32, "one bit per fragment entry");
+            const int key_group = (key0 + warp * 16) / 16;
+#pragma unroll
+            for (int nt = 0; nt < Tr::kQTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const Philox4 rnd = drop.bytes16(m_block * kBlockM + nt * 8 + (lane % 4) * 2 + e, key_group, bh);
+#pragma unroll
+                    for (int hi = 0; hi < 2; ++hi)
+                        if (!drop.keep(rnd, lane / 4 + 8 * hi)) kept &= ~(1u << (nt * 4 + 2 * hi + e));
+                }
+        }
+        auto drop_p = [&]() {
+#pragma unroll
+            for (int nt = 0; nt < Tr::kQTiles; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    if (!((kept >> (nt * 4 + i)) & 1u)) p[0][nt][i] = 0.f;
+        };
         const LdsmCursor<typename Tr::QTile> do_as_b(do_smem, lane % 16, lane / 16);
-        if (kDv) gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dv, p, do_as_b);  // dV += P^T dO
+        if (kDv && !(kVariant && kDk)) {
+            if (dropping) drop_p();
+            gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dv, p, do_as_b);  // dV += (P Z)^T dO
+        }
         if (kDk) {
             float ds[1][Tr::kQTiles][4];  // dP^T = V dO^T, then dS^T = P^T * (dP^T - D)
             zero_acc(ds);
@@ -177,9 +214,16 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             for (int nt = 0; nt < Tr::kQTiles; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    ds[0][nt][i] = p[0][nt][i] * (ds[0][nt][i] - delta_rows[nt * 8 + (lane % 4) * 2 + (i & 1)]);
-                    if (kVariant && mod.softcap > 0.f) ds[0][nt][i] *= dtanh[0][nt][i];
+                    float dp = ds[0][nt][i];
+                    if (dropping) dp = ((kept >> (nt * 4 + i)) & 1u) ? dp * va.dropout_rescale : 0.f;
+                    ds[0][nt][i] = p[0][nt][i] * (dp - delta_rows[nt * 8 + (lane % 4) * 2 + (i & 1)]);
+                    if (kVariant && mod.softcap > 0.f)
+                        ds[0][nt][i] *= Fp16::to_float((u16)(dtanh[nt][i / 2] >> (16 * (i % 2))));
                 }
+            if (kVariant && kDv) {
+                if (dropping) drop_p();
+                gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dv, p, do_as_b);  // dV += (P Z)^T dO
+            }
             gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dk, ds, LdsmCursor<typename Tr::QTile>(q_smem, lane % 16, lane / 16));
             if (kDq) {
 #pragma unroll
@@ -220,17 +264,18 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         }
     }
 
-    // Epilogue: dK carries the softmax scale (S was scaled); dV does not.
+    // Epilogue: dK carries the softmax scale (S was scaled); dV carries dropout's 1 / (1 - p).
     const int row0 = key0 + warp * 16;
+    const float dv_scale = kVariant && drop.active() ? va.dropout_rescale : 1.f;
     if (kFloatDkv) {
         const i64 rs = (i64)gridDim.y * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
         const i64 base = (seq.k_flat * gridDim.y + head) * head_dim;
         if (kDk) store_key_rows<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seq.seqlen_k, head_dim, softmax_scale, lane);
-        if (kDv) store_key_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seq.seqlen_k, head_dim, 1.f, lane);
+        if (kDv) store_key_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seq.seqlen_k, head_dim, dv_scale, lane);
     } else {
         u16* dk_seq = static_cast<u16*>(dk) + batch * dk_batch_stride + kv_head * dk_head_stride + (i64)seq.k_start * dk_row_stride;
         u16* dv_seq = static_cast<u16*>(dv) + batch * dv_batch_stride + kv_head * dv_head_stride + (i64)seq.k_start * dv_row_stride;
         if (kDk) store_key_rows<T, false>(acc_dk, dk_seq, dk_row_stride, row0, seq.seqlen_k, head_dim, softmax_scale, lane);
-        if (kDv) store_key_rows<T, false>(acc_dv, dv_seq, dv_row_stride, row0, seq.seqlen_k, head_dim, 1.f, lane);
+        if (kDv) store_key_rows<T, false>(acc_dv, dv_seq, dv_row_stride, row0, seq.seqlen_k, head_dim, dv_scale, lane);
     }
 }

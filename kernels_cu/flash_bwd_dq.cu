@@ -41,6 +41,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     if (kVariant && rows_left <= 0) return;  // varlen: past this sequence's end
     const auto mask = make_mask<kCausal, kVariant>(seq, va);
     const ScoreMod mod = ScoreMod::make(va, softmax_scale, batch, head, seq.seqlen_k - seq.seqlen_q);
+    const Dropout drop = va.dropout();
+    const int bh = batch * gridDim.y + head;
     const float kLog2e = 1.4426950408889634f;
 
     const u32 q_smem = smem_addr(smem), do_smem = q_smem + Tr::QTile::kBytes;
@@ -91,6 +93,14 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
             gemm_abt<T, 1, Tr::kNTiles, kHeadDim / 16>(p, q_as_a, k_as_bt);    // S = Q K^T
             gemm_abt<T, 1, Tr::kNTiles, kHeadDim / 16>(ds, do_as_a, v_as_bt);  // dP = dO V^T
             const bool needs_mask = mask.block_needs_mask(m_block, n_block, kBlockM, kBlockN);
+            Philox4 rnd[2][Tr::kNTiles / 2];  // dropout bytes: per row, per 16 keys
+            if (kVariant && drop.active()) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+#pragma unroll
+                    for (int g = 0; g < Tr::kNTiles / 2; ++g)
+                        rnd[r][g] = drop.bytes16(row0 + warp * 16 + lane / 4 + 8 * r, key0 / 16 + g, bh);
+            }
 #pragma unroll
             for (int nt = 0; nt < Tr::kNTiles; ++nt)
 #pragma unroll
@@ -101,7 +111,10 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     if (kVariant && mod.active) s = mod.apply(s, row, col, &dtanh);  // logits (scale_log2 = log2 e)
                     float pv = fast_exp2(fmaf(s, scale_log2, -row_lse[r]));
                     if (needs_mask && !mask.visible(row, col)) pv = 0.f;
-                    ds[0][nt][i] = pv * (ds[0][nt][i] - row_delta[r]);
+                    float dp = ds[0][nt][i];
+                    if (kVariant && drop.active())  // dS = P * (Z dP / (1 - p) - D)
+                        dp = drop.keep(rnd[r][nt / 2], (nt % 2) * 8 + (lane % 4) * 2 + (i & 1)) ? dp * va.dropout_rescale : 0.f;
+                    ds[0][nt][i] = pv * (dp - row_delta[r]);
                     if (kVariant) ds[0][nt][i] *= dtanh;
                 }
             gemm_rs<T, 1, Tr::kNTiles, Tr::kDTiles>(acc_dq, ds, k_as_b);  // dQ += dS K

@@ -58,6 +58,29 @@ CF_DEVICE void apply_score_mod(float (&s)[Tr::kMTiles][Tr::kNTiles][4], const Sc
                                          col0 + nt * 8 + (lane & 3) * 2 + (i & 1));
 }
 
+// Dropout (variant kernels): zero the dropped entries of P = exp(S - max). The row sums already
+// hold every entry (the softmax is over all keys); the 1 / (1 - p) of the kept ones is folded into
+// the final normalisation.
+template <class Tr>
+CF_DEVICE void apply_dropout(float (&p)[Tr::kMTiles][Tr::kNTiles][4], const Dropout& drop, int bh, int row0,
+                             int col0, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + mt * 16 + lane / 4 + 8 * r;
+#pragma unroll
+            for (int g = 0; g < Tr::kNTiles / 2; ++g) {  // 16 keys per Philox call
+                const Philox4 rnd = drop.bytes16(row, col0 / 16 + g, bh);
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        if (!drop.keep(rnd, h * 8 + (lane % 4) * 2 + e)) p[mt][2 * g + h][2 * r + e] = 0.f;
+            }
+        }
+}
+
 #define CF_FWD_PARAMS                                                                                   \
     const u16 *__restrict__ q, const u16 *__restrict__ k, const u16 *__restrict__ v, u16 *__restrict__ o, \
         float *__restrict__ lse, i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride, i64 k_batch_stride, \
@@ -113,6 +136,7 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
     const ScoreMod mod = ScoreMod::make(va, softmax_scale, batch, head, seq.seqlen_k - seq.seqlen_q);
     // seqlen_k is 0 when the cache index is out of range, so kv_batch is then never dereferenced.
     const int kv_batch = kKvCache && kc.cache_batch_idx != nullptr ? kc.cache_batch_idx[batch] : batch;
+    const Dropout drop = va.dropout();
     const bool paged = kKvCache && kc.block_table != nullptr;
 
     const u16* q_blk = q + batch * q_batch_stride + head * q_head_stride +
@@ -200,6 +224,7 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
             if (kVariant && mod.active) apply_score_mod<Tr>(s, mod, row0, col0, lane);
             if (mask.block_needs_mask(m_block, n_block, kBlockM, kBlockN)) apply_mask<Tr>(s, mask, row0, col0, lane);
             softmax.update(s, acc_o, scale_log2);
+            if (kVariant && !kKvCache && drop.active()) apply_dropout<Tr>(s, drop, batch * gridDim.y + head, row0, col0, lane);
             gemm_rs<T, Tr::kMTiles, Tr::kNTiles, Tr::kDTiles>(acc_o, s, v_cur);  // O += P V
         }
     }
@@ -208,6 +233,10 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
     // warp ever read them) and store it with 16-byte writes.
     float inv_sum[Tr::kMTiles][2], row_lse[Tr::kMTiles][2];
     softmax.finalize(inv_sum, row_lse, scale_log2);
+    if (kVariant && !kKvCache && drop.active()) {
+#pragma unroll
+        for (int mt = 0; mt < Tr::kMTiles; ++mt) inv_sum[mt][0] *= va.dropout_rescale, inv_sum[mt][1] *= va.dropout_rescale;
+    }
     if (kKvCache && kc.num_splits > 1) {
         cp_async_wait<0>();
         const i64 rows = (((i64)split * gridDim.z + batch) * gridDim.y + head) * seqlen_q + m_block * kBlockM;
@@ -246,5 +275,5 @@ template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kSta
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_fwd_kvcache_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS, CF_KVCACHE_PARAMS) {
     flash_fwd_body<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kCausal, true, true>(
-        CF_FWD_ARGS, CF_VARIANT_ARGS, CF_KVCACHE_ARGS);
+        CF_FWD_ARGS, CF_VARIANT_ARGS, CF_KVCACHE_ARGS);  // dropout is a training feature: not used here
 }

@@ -3,10 +3,12 @@
 //   varlen   packed sequences described by cumulative lengths cu_seqlens_q/k (int32, batch + 1);
 //   window   sliding-window mask (block_mask.cuh);
 //   softcap  s = softcap * tanh(scale * q.k / softcap);
-//   ALiBi    s -= slope[batch, head] * |i + seqlen_k - seqlen_q - j|.
+//   ALiBi    s -= slope[batch, head] * |i + seqlen_k - seqlen_q - j|;
+//   dropout  P entries dropped by a Philox mask (philox.cuh), the kept ones scaled by 1 / (1 - p).
 #pragma once
 #include "ptx.cuh"
 #include "block_mask.cuh"
+#include "philox.cuh"
 
 // Scalar kernel arguments of the optional features, gathered in one struct on the device side.
 struct VariantArgs {
@@ -16,13 +18,26 @@ struct VariantArgs {
     float softcap;             // 0: off
     const float* alibi_slopes; // nullptr: off; (batch, nheads) with batch stride alibi_batch_stride
     i64 alibi_batch_stride;
+    i64 dropout_seed;
+    i64 dropout_offset;        // low 32 bits used
+    int dropout_threshold;     // drop probability x 256; 0: off
+    float dropout_rescale;     // 1 / (1 - drop probability)
+
+    CF_DEVICE Dropout dropout() const {
+        return Dropout{(u32)dropout_seed, (u32)((unsigned long long)dropout_seed >> 32), (u32)dropout_offset,
+                       (u32)dropout_threshold};
+    }
 };
 
 #define CF_VARIANT_PARAMS                                                                            \
     const int *__restrict__ cu_seqlens_q, const int *__restrict__ cu_seqlens_k, int window_left,     \
-        int window_right, float softcap, const float *__restrict__ alibi_slopes, i64 alibi_batch_stride
-#define CF_VARIANT_ARGS \
-    VariantArgs { cu_seqlens_q, cu_seqlens_k, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride }
+        int window_right, float softcap, const float *__restrict__ alibi_slopes, i64 alibi_batch_stride, \
+        i64 dropout_seed, i64 dropout_offset, int dropout_threshold, float dropout_rescale
+#define CF_VARIANT_ARGS                                                                                  \
+    VariantArgs {                                                                                        \
+        cu_seqlens_q, cu_seqlens_k, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, \
+            dropout_seed, dropout_offset, dropout_threshold, dropout_rescale                             \
+    }
 
 // Where batch entry `batch` lives. Fixed-length batches: the batch strides address it and the
 // (batch, nheads, seqlen_q) LSE layout applies. Varlen: every tensor is a packed (total, nheads,

@@ -96,7 +96,7 @@ def test_short_id_is_unique_and_readable():
     c = fwd_config("fp16", 96, 128, 64, 8, 2, True)
     assert c.short_id() == "fwd-fp16-d96-causal-m128n64w8s2"
     assert fwd_config("bf16", 32, 128, 128, 4, 2, False).short_id() == "fwd-bf16-d32-full-m128n128w4s2"
-    assert forward_config(64, "bf16", True, 90, variant=True).short_id() == "fwd-bf16-d64-causal-var-m128n64w4s3"
+    assert forward_config(64, "bf16", True, 90, variant=True).short_id() == "fwd-bf16-d64-causal-var-m128n64w8s3"
 
 
 def test_variant_configs_mirror_the_plain_ones():
@@ -110,7 +110,7 @@ def test_variant_configs_mirror_the_plain_ones():
         for c in plain:
             twin = forward_config(c.head_dim, c.dtype, c.causal, arch, variant=True)
             assert twin.variant and (twin.head_dim, twin.dtype, twin.causal) == (c.head_dim, c.dtype, c.causal)
-            if c.head_dim <= 192:
+            if c.head_dim in (96, 128, 160, 192):  # the others have their own variant tiles (config.py)
                 assert dataclasses.replace(twin, variant=False) == c
         plan = backward_plan(128, "bf16", True, arch, variant=True)
         assert all(k.variant for k in (*plan.main, plan.dq))
