@@ -56,9 +56,10 @@ def visible_ref(xp, sq, sk, causal=False, window=(-1, -1)):
 
 
 def attention_features_ref(xp, q, k, v, dout=None, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
-                           slopes=None, low_precision=None):
+                           slopes=None, low_precision=None, keep=None, rescale=1.0):
     """Forward (out, lse) and, given dout, gradients (dq, dk, dv) in float32 of attention with a
-    sliding window, softcap and ALiBi (slopes: (nheads,) or (batch, nheads)), on float32 inputs.
+    sliding window, softcap, ALiBi (slopes: (nheads,) or (batch, nheads)) and dropout (keep: bool
+    (batch, nheads, seqlen_q, seqlen_k), kept entries scaled by rescale), on float32 inputs.
     With `low_precision`, every intermediate is rounded to that dtype (FA2's naive baseline)."""
     rnd = (lambda x: round_to(xp, x, low_precision)) if low_precision else (lambda x: x)
     b, sq, h, d = q.shape
@@ -82,11 +83,14 @@ def attention_features_ref(xp, q, k, v, dout=None, causal=False, softmax_scale=N
     denom = e.sum(axis=-1, keepdims=True)
     lse = xp.where(denom[..., 0] > 0, xp.log(xp.where(denom == 0, 1, denom))[..., 0] + row_max[..., 0], xp.inf)
     p = rnd(e / xp.where(denom == 0, 1, denom))
-    out = rnd(xp.einsum("bhqk,bkhd->bqhd", p, vr))
+    p_kept = p if keep is None else rnd(xp.where(keep, p * rescale, 0))
+    out = rnd(xp.einsum("bhqk,bkhd->bqhd", p_kept, vr))
     if dout is None:
         return out.astype(xp.float32), lse.astype(xp.float32)
-    dv = rnd(xp.einsum("bhqk,bqhd->bkhd", p, dout))
+    dv = rnd(xp.einsum("bhqk,bqhd->bkhd", p_kept, dout))
     dp = rnd(xp.einsum("bqhd,bkhd->bhqk", dout, vr))
+    if keep is not None:
+        dp = rnd(xp.where(keep, dp * rescale, 0))
     delta = xp.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
     ds = rnd(p * (dp - delta))
     if t is not None:

@@ -44,11 +44,12 @@ for b, sq, sk, h, hk, d, causal, dtype in CASES:
         assert bool(cp.isfinite(as_float32(cp, g)).all())
     print(f"ok b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} {np.dtype(dtype).name}", flush=True)
 
-# Variant kernels (window, softcap, ALiBi) forward and backward, and varlen.
+# Variant kernels (window, softcap, ALiBi, dropout) forward and backward, and varlen.
 for b, sq, sk, h, hk, d, causal, dtype in CASES[:3]:
     q, k, v, dout = arrays((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d), dtype=dtype)
     slopes = cp.asarray(np.linspace(0.1, 0.5, h, dtype=np.float32))
-    options = dict(causal=causal, window_size=(11, 5), softcap=4.0, alibi_slopes=slopes)
+    options = dict(causal=causal, window_size=(11, 5), softcap=4.0, alibi_slopes=slopes, dropout_p=0.3,
+                   dropout_seed=b * 1000 + d)
     out, lse = cuflash2.flash_attn_forward(q, k, v, **options)
     grads = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, **options)
     cp.cuda.get_current_stream().synchronize()

@@ -9,7 +9,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import reference  # noqa: E402
+from cuflash2 import dropout, reference  # noqa: E402
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.int32]
 
@@ -29,7 +29,8 @@ def calls(draw):
     if draw(st.integers(0, 3)) == 0:
         options["softmax_scale"] = draw(st.sampled_from([0.0, -1.0, float("nan"), float("inf"), 0.3]))
     if draw(st.integers(0, 5)) == 0:
-        options["dropout_p"] = 0.1  # not supported yet: must raise NotImplementedError
+        options["dropout_p"] = draw(st.sampled_from([0.1, 0.5, 1.0, -0.2]))
+        options["dropout_seed"] = draw(st.integers(0, 2**40))
     if draw(st.integers(0, 2)) == 0:
         options["window_size"] = (draw(st.integers(-2, 6)), draw(st.integers(-2, 6)))
     if draw(st.integers(0, 3)) == 0:
@@ -65,7 +66,7 @@ def test_computed_correctly_or_rejected_clearly(call):
     # accepted: it must be a valid problem and the answer must be right
     assert d <= 256 and d % 8 == 0 and h % hk == 0
     assert np.dtype(q.dtype).name in ("float16", "bfloat16")
-    assert "dropout_p" not in options and 0 <= options.get("softcap", 0) < float("inf")
+    assert 0 <= options.get("dropout_p", 0) < 1 and 0 <= options.get("softcap", 0) < float("inf")
     assert min(options.get("window_size", (-1, -1))) >= -1
     slopes = options.get("alibi_slopes")
     assert slopes is None or (slopes.dtype == np.float32 and slopes.shape in ((h,), (batch, h)))
@@ -74,9 +75,14 @@ def test_computed_correctly_or_rejected_clearly(call):
     if sk == 0 or batch == 0 or sq == 0:
         assert (out.astype(np.float32) == 0).all() and np.isposinf(lse).all()
         return
+    keep, rescale = None, 1.0
+    if options.get("dropout_p", 0) > 0:
+        keep = dropout.keep_mask(np, options["dropout_seed"], 0, batch, h, sq, sk, options["dropout_p"])
+        rescale = 1 / (1 - dropout.effective_dropout(options["dropout_p"]))
     ref, ref_lse = reference.attention_naive(q, k, v, softmax_scale=scale, causal=options["causal"],
                                              window_size=options.get("window_size", (-1, -1)),
-                                             softcap=options.get("softcap", 0.0), alibi_slopes=slopes)
+                                             softcap=options.get("softcap", 0.0), alibi_slopes=slopes,
+                                             dropout_mask=keep, dropout_rescale=rescale)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert np.abs(out.astype(np.float64) - ref).max() < 2e-2
     finite = np.isfinite(ref_lse)

@@ -369,10 +369,13 @@ def _call_packed(func, q, k, v, **kwargs):
 
 
 @pytest.mark.parametrize("func", ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"])
-def test_api_dropout_not_implemented(rng, func):
+def test_api_dropout_on_every_entry_point(rng, func):
     q, k, v = arrays(rng, sq=7, sk=7, hq=2, hk=2)
-    with raises(NotImplementedError, "dropout_p", "0.1"):
-        _call_packed(func, q, k, v, dropout_p=0.1)
+    a = _call_packed(func, q, k, v, dropout_p=0.4, dropout_seed=3)
+    b = _call_packed(func, q, k, v, dropout_p=0.4, dropout_seed=3)
+    np.testing.assert_array_equal(a, b)
+    with raises(ValueError, "dropout_p:", "< 1", "1.5"):
+        _call_packed(func, q, k, v, dropout_p=1.5)
 
 
 @pytest.mark.parametrize("kwargs", [
