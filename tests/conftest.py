@@ -1,4 +1,10 @@
+import os
+
 import pytest
+
+# JAX preallocates 75% of GPU memory at its first use unless told not to; the scale tests need tens
+# of GB after the JAX tests have run.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _gpu_available() -> bool:
