@@ -1,0 +1,37 @@
+"""Tile sweep of the KV-cache (decoding) kernel: GB/s of K+V per tile shape at a few batch / cache
+lengths, each checked against the default tile's output. Usage: python tests/bench_decode_tiles.py"""
+
+import cupy as cp
+import numpy as np
+
+import cuflash2
+from cuflash2 import config, kvcache
+from cuflash2.bench import time_cuda_ms
+
+CANDIDATES = [(64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (64, 64, 4, 4), (64, 32, 4, 6), (128, 64, 8, 3)]
+default_config = kvcache.kvcache_config
+
+for batch, kv_len in ((64, 8192), (64, 32768), (16, 65536), (1, 65536)):
+    rng = np.random.default_rng(0)
+    q = cp.asarray(rng.standard_normal((batch, 1, 32, 128), dtype=np.float32).astype(np.float16))
+    k_cache = cp.asarray(rng.standard_normal((batch, kv_len, 8, 128), dtype=np.float32).astype(np.float16))
+    seqlens = cp.full((batch,), kv_len, dtype=cp.int32)
+    call = lambda: cuflash2.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=seqlens)  # noqa: E731
+    reference = cp.asnumpy(call()).astype(np.float32)
+    kv_bytes = 2 * k_cache.nbytes
+    for tile in CANDIDATES:
+        block_m, block_n, warps, stages = tile
+        chosen = config.KernelConfig(config.FWD_KVCACHE, "fp16", 128, block_m, block_n, warps, stages, False,
+                                     variant=True)
+        kvcache.kvcache_config = lambda *args, chosen=chosen: chosen
+        try:
+            err = float(np.abs(cp.asnumpy(call()).astype(np.float32) - reference).max())
+            ms = time_cuda_ms(call, 5, 20)
+            print(f"batch {batch:3d} kv {kv_len:6d} tile {tile}: {kv_bytes / ms / 1e6:6.0f} GB/s  "
+                  f"({ms:.4f} ms, max diff vs default {err:.1e})", flush=True)
+        except Exception as exc:  # a tile that does not fit this GPU
+            print(f"batch {batch} kv {kv_len} tile {tile}: {type(exc).__name__}: {exc}"[:160], flush=True)
+        finally:
+            kvcache.kvcache_config = default_config
+    del k_cache
+    cp.get_default_memory_pool().free_all_blocks()
