@@ -14,11 +14,12 @@ default_config = kvcache.kvcache_config
 for batch, kv_len in ((64, 8192), (64, 32768), (16, 65536), (1, 65536)):
     rng = np.random.default_rng(0)
     q = cp.asarray(rng.standard_normal((batch, 1, 32, 128), dtype=np.float32).astype(np.float16))
-    k_cache = cp.asarray(rng.standard_normal((batch, kv_len, 8, 128), dtype=np.float32).astype(np.float16))
+    k_cache, v_cache = (cp.random.standard_normal((batch, kv_len, 8, 128), dtype=cp.float32).astype(cp.float16)
+                        for _ in range(2))
     seqlens = cp.full((batch,), kv_len, dtype=cp.int32)
-    call = lambda: cuflash2.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=seqlens)  # noqa: E731
+    call = lambda: cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)  # noqa: E731
     reference = cp.asnumpy(call()).astype(np.float32)
-    kv_bytes = 2 * k_cache.nbytes
+    kv_bytes = k_cache.nbytes + v_cache.nbytes
     for tile in CANDIDATES:
         block_m, block_n, warps, stages = tile
         chosen = config.KernelConfig(config.FWD_KVCACHE, "fp16", 128, block_m, block_n, warps, stages, False,
@@ -33,5 +34,5 @@ for batch, kv_len in ((64, 8192), (64, 32768), (16, 65536), (1, 65536)):
             print(f"batch {batch} kv {kv_len} tile {tile}: {type(exc).__name__}: {exc}"[:160], flush=True)
         finally:
             kvcache.kvcache_config = default_config
-    del k_cache
+    del k_cache, v_cache
     cp.get_default_memory_pool().free_all_blocks()
