@@ -40,16 +40,8 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
         _check_lse(lse_i, shape)
         for name, info in (("dout", do_i), ("out", out_i)):
             check_alignment(name, info)
-        arrays, infos = [], []
-        for name, given, like, like_i in (("dq", dq, q, q_i), ("dk", dk, k, k_i), ("dv", dv, v, v_i)):
-            if given is None:
-                array, info = call.empty(like_i.shape, like_i.dtype, like=like)
-            else:
-                array, info = given, call.output(name, given)
-                _check_like(name, info, like_i)
-                check_alignment(name, info)
-            arrays.append(array)
-            infos.append(info)
+        arrays, infos = gradient_outputs(call, (("dq", dq, q, q_i), ("dk", dk, k, k_i), ("dv", dv, v, v_i)),
+                                         _check_like)
         if shape.seqlen_k == 0 or shape.seqlen_q == 0 or shape.batch == 0:  # no query sees a key: zero gradients
             for info in infos:
                 _fill(call, info, 0)
@@ -57,6 +49,22 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
             launch.backward(do_i, q_i, k_i, v_i, out_i, lse_i, *infos, shape, causal, deterministic, call.device_id,
                             call.stream, features=features)
         return tuple(call.result(a) for a in arrays)
+
+
+def gradient_outputs(call, requests, check_like):
+    """(arrays, infos) of dq, dk, dv: for each (name, given, like, like_info), the caller's buffer
+    (checked with check_like and for alignment) or a new array shaped like the input."""
+    arrays, infos = [], []
+    for name, given, like, like_i in requests:
+        if given is None:
+            array, info = call.empty(like_i.shape, like_i.dtype, like=like)
+        else:
+            array, info = given, call.output(name, given)
+            check_like(name, info, like_i)
+            check_alignment(name, info)
+        arrays.append(array)
+        infos.append(info)
+    return arrays, infos
 
 
 def _check_like(name, info, q_info) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import interop, launch, reference
 from . import dropout as dropout_rng
+from .backward import gradient_outputs
 from .api import _check_grid, _fill, _probs, gpu_features, numpy_alibi, resolve_dropout
 from .features import as_batched, check_cu_seqlens, check_max_seqlen, check_softcap, check_window, varlen_shape
 from .validate import AttentionShape, TensorInfo, check_alignment, validate_qkv
@@ -306,16 +307,8 @@ def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu
             _check_like(name, info, problem.q)
             check_alignment(name, info)
         _check_lse(lse_i, shape.nheads, problem.q.shape[0])
-        arrays, infos = [], []
-        for name, given, like, like_i in (("dq", dq, q, problem.q), ("dk", dk, k, problem.k), ("dv", dv, v, problem.v)):
-            if given is None:
-                array, info = call.empty(like_i.shape, like_i.dtype, like=like)
-            else:
-                array, info = given, call.output(name, given)
-                _check_like(name, info, like_i)
-                check_alignment(name, info)
-            arrays.append(array)
-            infos.append(info)
+        arrays, infos = gradient_outputs(call, (("dq", dq, q, problem.q), ("dk", dk, k, problem.k),
+                                                ("dv", dv, v, problem.v)), _check_like)
         if not problem.covers_all_rows or shape.seqlen_q == 0 or shape.seqlen_k == 0:
             for info in infos:
                 _fill(call, info, 0)

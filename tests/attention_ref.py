@@ -7,7 +7,10 @@ computation in the input precision" of FA2's tolerance rule.
 
 import math
 
+import numpy as np
+
 from cuflash2.checks import attention_ref, round_to  # noqa: F401  (re-exported for the tests)
+from cuflash2.interop import as_float32
 
 
 def attention_backward_ref(xp, q, k, v, dout, causal=False, softmax_scale=None, low_precision=None):
@@ -101,3 +104,17 @@ def attention_features_ref(xp, q, k, v, dout=None, causal=False, softmax_scale=N
     dk = rnd(dk.reshape(b, sk, hk, group, d).sum(axis=3))
     dv = rnd(dv.reshape(b, sk, hk, group, d).sum(axis=3))
     return tuple(x.astype(xp.float32) for x in (out, lse, dq, dk, dv))
+
+
+def check_fa2_rule(xp, name, got, ref, naive, factor):
+    """FA2's tolerance rule: max error of `got` at most factor x the naive same-precision error, plus
+    half an ulp of the largest value (storing the result rounds it; that is the whole error when the
+    naive computation is exact, e.g. one-hot P)."""
+    eps = 2.0 ** -8 if np.dtype(got.dtype).name == "bfloat16" else 2.0 ** -11
+    got = as_float32(xp, got)
+    assert not bool(xp.isnan(got).any()), f"NaN in {name}"
+    err = float(xp.abs(got - ref).max())
+    naive_err = float(xp.abs(naive - ref).max())
+    rounding = eps * float(xp.abs(ref).max())
+    assert err <= factor * naive_err + rounding + 1e-4, \
+        f"{name}: max error {err:.3e} > {factor} x naive {naive_err:.3e} + rounding {rounding:.1e}"

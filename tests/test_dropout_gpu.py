@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from attention_ref import attention_features_ref
+from attention_ref import attention_features_ref, check_fa2_rule
 from test_forward_gpu import make_inputs
 
 import cuflash2
@@ -17,15 +17,7 @@ from cuflash2.interop import as_float32
 pytestmark = pytest.mark.gpu
 
 
-def _check(cp, name, got, ref, naive, factor):
-    eps = 2.0 ** -8 if np.dtype(got.dtype).name == "bfloat16" else 2.0 ** -11
-    got = as_float32(cp, got)
-    assert not bool(cp.isnan(got).any()), f"NaN in {name}"
-    err = float(cp.abs(got - ref).max())
-    naive_err = float(cp.abs(naive - ref).max())
-    rounding = eps * float(cp.abs(ref).max())
-    assert err <= factor * naive_err + rounding + 1e-4, \
-        f"{name}: max error {err:.3e} > {factor} x naive {naive_err:.3e} + rounding {rounding:.1e}"
+_check = check_fa2_rule
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -5,7 +5,7 @@ for gradients)."""
 import numpy as np
 import pytest
 
-from attention_ref import attention_features_ref
+from attention_ref import attention_features_ref, check_fa2_rule
 from test_forward_gpu import make_inputs
 
 from cuflash2.interop import as_float32
@@ -49,17 +49,7 @@ def _ref(cp, q, k, v, dout, options, low_precision=None):
                                   low_precision=low_precision)
 
 
-def _check(cp, name, got, ref, naive, factor):
-    eps = 2.0 ** -8 if np.dtype(got.dtype).name == "bfloat16" else 2.0 ** -11  # half an ulp, relative
-    got = as_float32(cp, got)
-    assert not bool(cp.isnan(got).any()), f"NaN in {name}"
-    err = float(cp.abs(got - ref).max())
-    naive_err = float(cp.abs(naive - ref).max())
-    # Storing the result rounds it: half an ulp of the largest value is unavoidable, and it is the
-    # whole error when the naive computation is exact (window (0, 0): P is one-hot).
-    rounding = eps * float(cp.abs(ref).max())
-    assert err <= factor * naive_err + rounding + 1e-4, \
-        f"{name}: max error {err:.3e} > {factor} x naive {naive_err:.3e} + rounding {rounding:.1e}"
+_check = check_fa2_rule
 
 
 def _check_lse(cp, lse, ref_lse):

@@ -14,7 +14,6 @@ import pytest
 
 import cuflash2
 from cuflash2 import reference
-from cuflash2 import reference
 from cuflash2.validate import (AttentionShape, TensorInfo, check_alignment, check_compute_capability,
                                softmax_scale_or_default, validate_out, validate_qkv)
 
