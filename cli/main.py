@@ -82,7 +82,8 @@ def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ..
                         unique[cfg.kvcache_config(dim, dtype, causal, arch)] = None
                         unique.update(dict.fromkeys(cfg.kvcache_helper_configs(dtype)))
                     if "bwd" in kinds:
-                        for atomic_dq in ((False,) if variant else (False, True)):
+                        atomic_options = (False, True) if cfg.atomic_dq_supported(arch) and not variant else (False,)
+                        for atomic_dq in atomic_options:
                             for gqa in (False, True):
                                 plan = cfg.backward_plan(dim, dtype, causal, arch, gqa=gqa, atomic_dq=atomic_dq,
                                                          variant=variant)

@@ -68,7 +68,8 @@ class KernelConfig:
             return m * d * 2 + self.stages * n * d * 2
         if self.kernel == BWD:
             with_dq = self.flags[2]
-            return 2 * n * d * 2 + self.stages * (2 * m * d * 2 + 2 * m * 4) + (n * m * 2 if with_dq else 0)
+            dq_bytes = n * m * 2 + 2 * m * (d * 4 + 32) if with_dq else 0  # dS^T tile, 2 fp32 dQ staging buffers
+            return 2 * n * d * 2 + self.stages * (2 * m * d * 2 + 2 * m * 4) + dq_bytes
         if self.kernel == BWD_DQ:
             return 2 * m * d * 2 + 2 * n * d * 2
         return 0
@@ -244,48 +245,83 @@ class BackwardPlan:
         return (self.dot, *self.main, *((self.dq,) if self.dq else ()), self.convert)
 
 
-def _bwd_main(dtype, bucket, block_m, causal, variant, flags, arch, max_stages=2) -> KernelConfig:
-    """The preferred tile, shrunk (fewer Q/dO stages, then 32 query rows, then 2 warps = 32 keys)
-    until it fits the shared memory of `arch`."""
-    for warps in (4, 2):
+def _dq_split_ok(block_m: int, warps: int, head_dim: int) -> bool:
+    """Whether the main kernel's dQ = dS K product splits evenly over its warps: 16-row tiles times
+    column groups, each group a multiple of 16 columns (the kernel's static_assert)."""
+    row_tiles = block_m // 16
+    if warps % row_tiles:
+        return False
+    col_groups = warps // row_tiles
+    return head_dim % col_groups == 0 and (head_dim // col_groups) % 16 == 0
+
+
+def atomic_dq_supported(arch: int) -> bool:
+    """dQ accumulated inside the main kernel needs sm_90's bulk shared -> global reductions."""
+    return arch >= 90
+
+
+def _bwd_main(dtype, bucket, block_m, causal, variant, flags, arch, max_stages=2, warps=4) -> KernelConfig:
+    """The preferred tile, shrunk (fewer Q/dO stages, then 32 query rows, then fewer warps = fewer
+    keys per block) until it fits the shared memory of `arch`."""
+    for w in dict.fromkeys((warps, 4, 2)):
         for rows in dict.fromkeys((block_m, 32)):
+            if flags[2] and not _dq_split_ok(rows, w, bucket):
+                continue
             for stages in range(max_stages, 0, -1):
-                config = KernelConfig(BWD, dtype, bucket, rows, 16 * warps, warps, stages, causal, flags, variant)
+                config = KernelConfig(BWD, dtype, bucket, rows, 16 * w, w, stages, causal, flags, variant)
                 if config.smem_bytes <= smem_limit(arch):
                     return config
     raise AssertionError(f"no backward tile fits {smem_limit(arch)} B for head dim {bucket}")
 
 
+# Main-kernel tiles (block_m, warps, max Q/dO stages) when dQ is accumulated by the main kernel
+# (fp32 partial sums staged in shared memory, added to global memory a row at a time). Eight warps
+# = 128 keys per block halve the dQ traffic per MMA against four warps.
+_BWD_ATOMIC_TILES = {32: (64, 8, 2), 64: (64, 8, 2), 96: (32, 4, 1), 128: (32, 8, 1)}
+_BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
+
+
 @functools.lru_cache(maxsize=4096)
 def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, deterministic: bool = False,
                   gqa: bool = False, split: bool | None = None, atomic_dq: bool | None = None,
-                  variant: bool = False) -> BackwardPlan:
+                  variant: bool = False, tile: tuple[int, int, int] | None = None) -> BackwardPlan:
     """Kernels (and tile shapes) of one backward pass.
 
     gqa: dK/dV are accumulated per query head in fp32 and summed over each group afterwards.
     split: produce dV and (dK, dQ) in two launches (default: only above head dim 128).
-    atomic_dq: accumulate dQ with fp32 atomics inside the main kernel instead of running the dQ
-    kernel. Off by default: the dQ kernel is deterministic and was faster on the H200 (bench record).
+    atomic_dq: accumulate dQ inside the main kernel (fp32 reductions into a global accumulator)
+    instead of running the dQ kernel, which recomputes S and dP but is deterministic.
     variant: the kernels with varlen / window / softcap / ALiBi support.
+    tile: (block_m, warps, stages) of the main kernel producing dK (tuning only).
     """
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
     causal, variant = bool(causal), bool(variant)
     if deterministic and atomic_dq:
         raise ValueError("atomic_dq: fp32 atomics cannot be deterministic")
+    if atomic_dq and not atomic_dq_supported(arch):
+        raise ValueError(f"atomic_dq: needs compute capability 9.0 or newer, got {arch // 10}.{arch % 10}")
     atomic_dq = bool(atomic_dq)
     if split is None:  # the variant kernels' extra state (dropout, softcap) overflows at head dim 128
         split = bucket > 128 or (variant and bucket == 128)
     if not split:
         # 64 query rows per step up to head dim 64; above, 32 rows and a single Q/dO stage keep the
         # dK, dV and dQ accumulators within 255 registers without spilling.
-        block_m, stages = (64, 2) if bucket <= 64 else (32, 1)
-        main = (_bwd_main(dtype, bucket, block_m, causal, variant, (True, True, atomic_dq, gqa), arch, stages),)
+        block_m, warps, stages = (64, 4, 2) if bucket <= 64 else (32, 4, 1)
+        if atomic_dq:
+            block_m, warps, stages = _BWD_ATOMIC_TILES[bucket]
+        block_m, warps, stages = tile or (block_m, warps, stages)
+        main = (_bwd_main(dtype, bucket, block_m, causal, variant, (True, True, atomic_dq, gqa), arch, stages,
+                          warps),)
     else:
-        dk_block_m, dk_stages = (64, 2) if bucket <= 128 else (32, 1)
+        dk_block_m, dk_warps, dk_stages = (64, 4, 2) if bucket <= 128 else (32, 4, 1)
+        if atomic_dq:
+            dk_block_m, dk_warps, dk_stages = _BWD_ATOMIC_SPLIT_DK_TILE
+        dk_block_m, dk_warps, dk_stages = tile or (dk_block_m, dk_warps, dk_stages)
         dv_block_m = 32 if variant and bucket > 192 else 64  # the variant dV kernel spills at 64 rows
         main = (_bwd_main(dtype, bucket, dv_block_m, causal, variant, (True, False, False, gqa), arch),
-                _bwd_main(dtype, bucket, dk_block_m, causal, variant, (False, True, atomic_dq, gqa), arch, dk_stages))
+                _bwd_main(dtype, bucket, dk_block_m, causal, variant, (False, True, atomic_dq, gqa), arch, dk_stages,
+                          dk_warps))
     dq = None
     if not atomic_dq:
         block_n = 64 if bucket <= 128 else (16 if variant and bucket > 224 else 32)  # variant d256: dropout draws
@@ -311,6 +347,8 @@ def all_backward_configs(arch: int) -> list[KernelConfig]:
         for dtype in DTYPES:
             for causal in (False, True):
                 for atomic_dq, variant in ((False, False), (True, False), (False, True)):
+                    if atomic_dq and not atomic_dq_supported(arch):
+                        continue
                     for gqa in (False, True):
                         plan = backward_plan(bucket, dtype, causal, arch, gqa=gqa, atomic_dq=atomic_dq,
                                              variant=variant)

@@ -73,9 +73,10 @@ def _scratch(cp, shape, dtype=np.float32, zero=False):
 def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: TensorInfo,
              dq: TensorInfo, dk: TensorInfo, dv: TensorInfo, shape: AttentionShape, causal: bool,
              deterministic: bool, device_id: int, stream, atomic_dq: bool | None = None,
-             split: bool | None = None, arch: int | None = None, features: Features = PLAIN) -> None:
-    """dq, dk, dv <- gradients. `atomic_dq`/`split`/`arch` (another GPU's tile table) override the
-    plan: tuning and tests only. Varlen tensors come as in `forward`."""
+             split: bool | None = None, arch: int | None = None, features: Features = PLAIN,
+             tile: tuple[int, int, int] | None = None) -> None:
+    """dq, dk, dv <- gradients. `atomic_dq`/`split`/`arch` (another GPU's tile table)/`tile` override
+    the plan: tuning and tests only. Varlen tensors come as in `forward`."""
     import cupy as cp
 
     h, d = shape.nheads, shape.head_dim
@@ -84,7 +85,7 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
     if variant and atomic_dq:
         raise ValueError("atomic_dq: the variant kernels (window/softcap/ALiBi/varlen) use the dQ kernel only")
     plan = backward_plan(d, SHORT_DTYPE[shape.dtype], causal, arch or device_arch(device_id), deterministic, gqa,
-                         split, atomic_dq, variant)
+                         split, atomic_dq, variant, tile)
     # Row-wise buffers (D, fp32 accumulators) cover (b, seqlen) rows, or the packed rows when varlen.
     if features.varlen:
         b, sq, sk = 1, features.total_q, features.total_k

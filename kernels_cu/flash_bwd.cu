@@ -4,7 +4,8 @@
 // Per query block (P rebuilt from the saved LSE, so no N x N matrix is ever stored):
 //   S^T = K Q^T;  P^T = exp(scale * S^T - LSE);  dV += P^T dO
 //   dP^T = V dO^T;  dS^T = P^T * (dP^T - D);  dK += dS^T Q
-//   dQ += dS K   (dS^T goes through shared memory; fp32 atomics into a dQ accumulator)
+//   dQ += dS K   (dS^T goes through shared memory; the fp32 dQ partial sums are staged in shared
+//                memory and added to a global accumulator row by row, see dq_staging.cuh)
 // The template flags select which gradients a launch produces: for large head dims dV and dK are
 // produced by two launches (register budget), and deterministic mode leaves dQ to flash_bwd_dq.cu.
 #include "ptx.cuh"
@@ -12,6 +13,7 @@
 #include "block_mask.cuh"
 #include "variant.cuh"
 #include "warp_gemm.cuh"
+#include "dq_staging.cuh"
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kDq>
 struct BwdTraits {
@@ -21,13 +23,15 @@ struct BwdTraits {
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using DsTile = SwizzledTile<kBlockN, kBlockM>;  // dS^T
+    using DqStage = DqStaging<kBlockM, kHeadDim, kThreads>;
     static constexpr int kQStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
-    static constexpr int kSmemBytes = 2 * KTile::kBytes + kStages * kQStageBytes + (kDq ? DsTile::kBytes : 0);
+    static constexpr int kSmemBytes =
+        2 * KTile::kBytes + kStages * kQStageBytes + (kDq ? DsTile::kBytes + DqStage::kBytes : 0);
     // dQ = dS K: warps split the (kBlockM x kHeadDim) product into 16-row tiles x column groups.
     static constexpr int kDqRowTiles = kBlockM / 16;
     static constexpr int kDqColGroups = kNWarps / kDqRowTiles;
     static constexpr int kDqCols = kHeadDim / kDqColGroups;
-    static constexpr int kDqChunk = 16;  // small chunks keep the dQ accumulator at 8 registers
+    static constexpr int kDqChunk = kDqCols % 32 == 0 ? 32 : 16;  // dQ accumulator: 16 or 8 registers
     static_assert(kBlockN == 16 * kNWarps, "each warp owns 16 keys");
     static_assert(kBlockM % 32 == 0 && kHeadDim % 32 == 0, "tile shape");
     static_assert(!kDq || (kNWarps % kDqRowTiles == 0 && kHeadDim % kDqColGroups == 0 && kDqCols % 16 == 0),
@@ -92,6 +96,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const u32 k_smem = smem_addr(smem), v_smem = k_smem + Tr::KTile::kBytes;
     const u32 stage0 = v_smem + Tr::KTile::kBytes;
     const u32 ds_smem = stage0 + kStages * Tr::kQStageBytes;
+    const typename Tr::DqStage dq_stage{ds_smem + Tr::DsTile::kBytes};
     const float* stage_floats = reinterpret_cast<const float*>(smem + 2 * Tr::KTile::kBytes + 2 * Tr::QTile::kBytes);
 
     const u16* q_head = q + batch * q_batch_stride + head * q_head_stride + (i64)seq.q_start * q_row_stride;
@@ -234,15 +239,12 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                         *reinterpret_cast<u32*>(smem + (ds_smem - k_smem) + Tr::DsTile::chunk_offset(row, nt) + (lane % 4) * 4) =
                             T::pack(ds[0][nt][2 * r], ds[0][nt][2 * r + 1]);
                     }
+                dq_stage.wait_buffer_free(tid);
                 __syncthreads();
-                // dQ[rows of this warp's tile] += dS K, column chunk by column chunk, fp32 atomics.
+                // dQ[rows of this warp's tile] = dS K, column chunk by column chunk, into the staging rows.
                 const int row_tile = warp % Tr::kDqRowTiles;
                 const int col_group = Tr::kDqColGroups == 1 ? 0 : warp / Tr::kDqRowTiles;
-                const int dq_row = m_block * kBlockM + row_tile * 16 + lane / 4;
-                const i64 dq_row_stride = (i64)gridDim.y * head_dim;
-                float* dq_lane = dq_accum + ((seq.q_flat + dq_row) * gridDim.y + head) * head_dim +
-                                 col_group * Tr::kDqCols + (lane % 4) * 2;
-                const bool row_lo_ok = dq_row < seq.seqlen_q, row_hi_ok = dq_row + 8 < seq.seqlen_q;
+                const u32 dq_buf = dq_stage.buffer(it);
 #pragma unroll
                 for (int c0 = 0; c0 < Tr::kDqCols; c0 += Tr::kDqChunk) {
                     float acc_dq[1][Tr::kDqChunk / 8][4];
@@ -250,19 +252,17 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                     gemm_atb<T, 1, Tr::kDqChunk / 8, kBlockN / 16>(acc_dq, ds_as_at, 2 * row_tile, k_as_b,
                                                                     (col_group * Tr::kDqCols + c0) / 8);
 #pragma unroll
-                    for (int ct = 0; ct < Tr::kDqChunk / 8; ++ct) {
-                        if (col_group * Tr::kDqCols + c0 + ct * 8 >= head_dim) break;  // padded columns
-                        float* dst = dq_lane + c0 + ct * 8;
-                        if (row_lo_ok) { atomicAdd(dst, acc_dq[0][ct][0]); atomicAdd(dst + 1, acc_dq[0][ct][1]); }
-                        if (row_hi_ok) {
-                            atomicAdd(dst + 8 * dq_row_stride, acc_dq[0][ct][2]);
-                            atomicAdd(dst + 8 * dq_row_stride + 1, acc_dq[0][ct][3]);
-                        }
-                    }
+                    for (int ct = 0; ct < Tr::kDqChunk / 8; ++ct)
+                        dq_stage.store_fragment(dq_buf, row_tile * 16 + lane / 4,
+                                                col_group * Tr::kDqCols + c0 + ct * 8 + (lane % 4) * 2, acc_dq[0][ct]);
                 }
+                const int dq_row0 = m_block * kBlockM;
+                dq_stage.flush(dq_buf, dq_accum + ((seq.q_flat + dq_row0) * gridDim.y + head) * head_dim,
+                               (i64)gridDim.y * head_dim, seq.seqlen_q - dq_row0, head_dim, tid);
             }
         }
     }
+    if (kDq) dq_stage.drain(tid);
 
     // Epilogue: dK carries the softmax scale (S was scaled); dV carries dropout's 1 / (1 - p).
     const int row0 = key0 + warp * 16;

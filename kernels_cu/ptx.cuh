@@ -100,3 +100,28 @@ CF_DEVICE void cp_async_4(u32 dst, const void* src, bool valid) {
     int src_bytes = valid ? 4 : 0;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
 }
+
+// ---- plain shared-memory store on a 32-bit shared address --------------------------------------
+CF_DEVICE void st_shared_f32x2(u32 addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(addr), "f"(x), "f"(y) : "memory");
+}
+
+// ---- bulk asynchronous reduction, shared -> global (sm_90 and later) ---------------------------
+// The copy engine adds `bytes` (a multiple of 16, both addresses 16-byte aligned) of fp32 from shared
+// memory into global memory. Shared-memory writes must be ordered before it by fence_proxy_async.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CF_HAS_BULK_REDUCE 1
+CF_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+CF_DEVICE void bulk_reduce_add_f32(float* dst, u32 src, int bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+CF_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Wait until at most kPending of this thread's bulk groups still read their shared-memory source.
+template <int kPending>
+CF_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(kPending) : "memory"); }
+// Wait until every bulk group of this thread has completed (global writes included).
+CF_DEVICE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+#else
+#define CF_HAS_BULK_REDUCE 0
+#endif

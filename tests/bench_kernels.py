@@ -41,7 +41,7 @@ def torch_sdpa_bwd(backend_name, q, k, v, causal):
     return run
 
 
-def bench_bwd(q, k, v, causal, flops, split=None, atomic_dq=None):
+def bench_bwd(q, k, v, causal, flops, split=None, atomic_dq=None, tile=None):
     """Backward kernels alone (launch level: no per-call Python validation)."""
     qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
     out, lse = cuflash2.flash_attn_forward(qc, kc, vc, causal=causal)
@@ -51,8 +51,14 @@ def bench_bwd(q, k, v, causal, flops, split=None, atomic_dq=None):
     grads = [cp.empty_like(x) for x in (qc, kc, vc)]
     infos = [describe("x", x) for x in (dout, qc, kc, vc, out, lse, *grads)]
     stream = cp.cuda.get_current_stream()
-    ms = bench.time_cuda_ms(lambda: launch.backward(*infos, shape, causal, False, 0, stream, atomic_dq, split))
+    ms = bench.time_cuda_ms(lambda: launch.backward(*infos, shape, causal, False, 0, stream, atomic_dq, split,
+                                                               tile=tile))
     return flops / ms / 1e9
+
+
+# (block_m, warps, stages) of the main backward kernel when it accumulates dQ itself.
+BWD_ATOMIC_SWEEP = {64: [(64, 4, 2), (64, 8, 2), (32, 8, 2)], 128: [(32, 4, 1), (32, 8, 1), (32, 8, 2)],
+                    256: [(32, 4, 1), (32, 2, 1)]}
 
 
 def bench_bwd_api(q, k, v, causal, flops):
@@ -94,9 +100,11 @@ def main():
                         row["cuflash2"] = bench_bwd_api(q, k, v, causal, flops)
                         row["kernel"] = bench_bwd(q, k, v, causal, flops)
                         if args.sweep:
+                            row["dq_kernel"] = bench_bwd(q, k, v, causal, flops, atomic_dq=False)
                             row["atomic"] = bench_bwd(q, k, v, causal, flops, atomic_dq=True)
-                            if head_dim <= 128:
-                                row["split"] = bench_bwd(q, k, v, causal, flops, split=True)
+                            row["atomic_tiles"] = {
+                                str(tile): round(bench_bwd(q, k, v, causal, flops, atomic_dq=True, tile=tile), 1)
+                                for tile in BWD_ATOMIC_SWEEP.get(head_dim, ())}
                     for name in ("flash", "cudnn"):
                         try:
                             fn = torch_sdpa(name)
