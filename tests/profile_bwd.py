@@ -1,0 +1,42 @@
+"""One backward pass each of cuflash2 (default plan, then the atomic-dQ plan) and torch's FA2, for a
+profiler to attach to (d128, seqlen 4k, bf16 unless told otherwise):
+    ncu --clock-control none -k regex:'flash_bwd_kernel|flash_bwd_dq_kernel|dq_dk_dv' \\
+        --section SpeedOfLight --section WarpStateStats python tests/profile_bwd.py [head_dim] [causal]
+"""
+
+import math
+import sys
+
+import cupy as cp
+import numpy as np
+import torch
+
+import cuflash2
+from cuflash2 import launch
+from cuflash2.interop import describe
+from cuflash2.validate import AttentionShape
+
+
+def main():
+    head_dim = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+    causal = len(sys.argv) > 2 and sys.argv[2] == "causal"
+    seqlen, batch, heads = 4096, 4, 2048 // head_dim
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    qc, kc, vc, doc = (cp.from_dlpack(x) for x in (q, k, v, dout))
+    out, lse = cuflash2.flash_attn_forward(qc, kc, vc, causal=causal)
+    shape = AttentionShape(batch, seqlen, seqlen, heads, heads, head_dim, "bfloat16", 1 / math.sqrt(head_dim))
+    grads = [cp.empty_like(x) for x in (qc, kc, vc)]
+    infos = [describe("x", x) for x in (doc, qc, kc, vc, out, lse, *grads)]
+    stream = cp.cuda.get_current_stream()
+    for atomic_dq in (False, True):
+        launch.backward(*infos, shape, causal, False, 0, stream, atomic_dq)
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    o.backward(dout.transpose(1, 2))
+    torch.cuda.synchronize()
+    print("ok", np.asarray(cp.asnumpy(grads[0][0, 0, 0, :4])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Nsight Compute profile of the backward kernels next to FA2's (see tests/profile_bwd.py); logs to $OUT.
+set -u
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+for dim in ${DIMS:-128 64}; do
+    ncu --clock-control none -k regex:'flash_bwd_kernel|flash_bwd_dq_kernel|dq_dk_dv' \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+        --section WarpStateStats --section Occupancy --section LaunchStats \
+        python tests/profile_bwd.py "$dim" > "$OUT/ncu-bwd-d$dim.txt" 2>&1
+    echo "d$dim: exit $?"
+done
