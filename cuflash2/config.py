@@ -68,7 +68,7 @@ class KernelConfig:
             return m * d * 2 + self.stages * n * d * 2
         if self.kernel == BWD:
             with_dq = self.flags[2]
-            dq_bytes = n * m * 2 + 2 * m * (d * 4 + 32) if with_dq else 0  # dS^T tile, 2 fp32 dQ staging buffers
+            dq_bytes = n * m * 2 + 2 * m * d * 4 if with_dq else 0  # dS^T tile, 2 fp32 dQ staging buffers
             return 2 * n * d * 2 + self.stages * (2 * m * d * 2 + 2 * m * 4) + dq_bytes
         if self.kernel == BWD_DQ:
             return 2 * m * d * 2 + 2 * n * d * 2

@@ -99,9 +99,10 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
             (_ptr(dout.data_ptr), _ptr(out.data_ptr), _ptr(delta_i.data_ptr), *_strides3(dout), *_strides3(out),
              _i32(sq), _i32(h), _i32(d)))
 
-    dq_acc_ptr = delta_i.data_ptr  # unused unless dQ comes from atomics
-    if plan.dq is None:
-        dq_acc, dq_acc_i = _scratch(cp, (b, sq, h, d), zero=True)
+    dq_acc_ptr = delta_i.data_ptr  # unused unless the main kernel accumulates dQ
+    if plan.dq is None:  # (b, h, sq rounded up to the query block, d): one block is one contiguous range
+        block_m = next(c.block_m for c in plan.main if c.flags[2])
+        dq_acc, dq_acc_i = _scratch(cp, (b, h, math.ceil(sq / block_m) * block_m, d), zero=True)
         keep.append(dq_acc)
         dq_acc_ptr = dq_acc_i.data_ptr
     if gqa:  # per-query-head fp32 dK/dV, summed over each group by the conversion kernel
@@ -123,15 +124,21 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
                  _ptr(delta_i.data_ptr), _ptr(dq.data_ptr), *_strides3(q), *_strides3(k), *_strides3(v),
                  *_strides3(dout), *_strides3(dq), *tail))
     else:
-        _convert(plan.convert, device_id, stream, dq_acc_ptr, dq, b, sq, h, d, 1, scale)
+        _convert(plan.convert, device_id, stream, dq_acc_i, dq, b, sq, h, d, 1, scale, heads_major=True)
     if gqa:
-        _convert(plan.convert, device_id, stream, dk_t.data_ptr, dk, b, sk, shape.nheads_kv, d, shape.kv_group, 1.0)
-        _convert(plan.convert, device_id, stream, dv_t.data_ptr, dv, b, sk, shape.nheads_kv, d, shape.kv_group, 1.0)
+        for acc, grad in ((dk_t, dk), (dv_t, dv)):
+            _convert(plan.convert, device_id, stream, acc, grad, b, sk, shape.nheads_kv, d, shape.kv_group, 1.0)
     del keep  # CuPy's pool reuses the memory only for work queued after this point on the stream
 
 
-def _convert(config, device_id, stream, acc_ptr, out: TensorInfo, batch, seqlen, nheads, head_dim, group, scale):
+def _convert(config, device_id, stream, acc: TensorInfo, out: TensorInfo, batch, seqlen, nheads, head_dim, group,
+             scale, heads_major=False):
+    """out <- scale * acc summed over each group of `group` heads; acc is (b, s, h, d), or
+    (b, h, s_padded, d) when heads_major."""
+    batch_stride, row_stride, head_stride = acc.strides[:3]
+    if heads_major:
+        row_stride, head_stride = head_stride, row_stride
     work = seqlen * nheads * (head_dim // 2)
     _launch(config, device_id, stream, (math.ceil(work / _ELEMENTWISE_THREADS), batch),
-            (_ptr(acc_ptr), _ptr(out.data_ptr), *_strides3(out), _i32(seqlen), _i32(nheads), _i32(head_dim),
-             _i32(group), _f32(scale)))
+            (_ptr(acc.data_ptr), _ptr(out.data_ptr), _i64(batch_stride), _i64(row_stride), _i64(head_stride),
+             *_strides3(out), _i32(seqlen), _i32(nheads), _i32(head_dim), _i32(group), _f32(scale)))

@@ -5,7 +5,7 @@
 //   S^T = K Q^T;  P^T = exp(scale * S^T - LSE);  dV += P^T dO
 //   dP^T = V dO^T;  dS^T = P^T * (dP^T - D);  dK += dS^T Q
 //   dQ += dS K   (dS^T goes through shared memory; the fp32 dQ partial sums are staged in shared
-//                memory and added to a global accumulator row by row, see dq_staging.cuh)
+//                memory and added to a global accumulator, see dq_staging.cuh)
 // The template flags select which gradients a launch produces: for large head dims dV and dK are
 // produced by two launches (register budget), and deterministic mode leaves dQ to flash_bwd_dq.cu.
 #include "ptx.cuh"
@@ -23,7 +23,7 @@ struct BwdTraits {
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using DsTile = SwizzledTile<kBlockN, kBlockM>;  // dS^T
-    using DqStage = DqStaging<kBlockM, kHeadDim, kThreads>;
+    using DqStage = DqStaging<kBlockM, kHeadDim>;
     static constexpr int kQStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
     static constexpr int kSmemBytes =
         2 * KTile::kBytes + kStages * kQStageBytes + (kDq ? DsTile::kBytes + DqStage::kBytes : 0);
@@ -96,7 +96,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const u32 k_smem = smem_addr(smem), v_smem = k_smem + Tr::KTile::kBytes;
     const u32 stage0 = v_smem + Tr::KTile::kBytes;
     const u32 ds_smem = stage0 + kStages * Tr::kQStageBytes;
-    const typename Tr::DqStage dq_stage{ds_smem + Tr::DsTile::kBytes};
+    const typename Tr::DqStage dq_stage{ds_smem + Tr::DsTile::kBytes, head_dim * 4};
     const float* stage_floats = reinterpret_cast<const float*>(smem + 2 * Tr::KTile::kBytes + 2 * Tr::QTile::kBytes);
 
     const u16* q_head = q + batch * q_batch_stride + head * q_head_stride + (i64)seq.q_start * q_row_stride;
@@ -256,9 +256,10 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                         dq_stage.store_fragment(dq_buf, row_tile * 16 + lane / 4,
                                                 col_group * Tr::kDqCols + c0 + ct * 8 + (lane % 4) * 2, acc_dq[0][ct]);
                 }
-                const int dq_row0 = m_block * kBlockM;
-                dq_stage.flush(dq_buf, dq_accum + ((seq.q_flat + dq_row0) * gridDim.y + head) * head_dim,
-                               (i64)gridDim.y * head_dim, seq.seqlen_q - dq_row0, head_dim, tid);
+                // dq_accum: (batch, head, seqlen_q rounded up to kBlockM, head_dim) fp32.
+                const i64 dq_rows = (i64)(seq.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
+                dq_stage.flush(dq_buf, dq_accum + (((i64)batch * gridDim.y + head) * dq_rows + m_block * kBlockM) * head_dim,
+                               tid);
             }
         }
     }

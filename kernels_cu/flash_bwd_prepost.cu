@@ -34,11 +34,13 @@ flash_bwd_dot_do_o_kernel(const u16* __restrict__ dout, const u16* __restrict__ 
     if (active && lane8 == 0) delta[((i64)batch * nheads + head) * seqlen_q + row] = acc;
 }
 
-// out[b, s, h, c] = scale * sum_{g < group} acc[b, s, h * group + g, c], acc contiguous fp32
-// (b, s, nheads * group, head_dim). One thread per output pair of columns.
+// out[b, s, h, c] = scale * sum_{g < group} acc[b, s, h * group + g, c] for an fp32 accumulator with
+// the given strides (elements; dQ: (b, h, s, c), GQA dK/dV: (b, s, h * group, c)). One thread per
+// output pair of columns.
 template <class T>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
+                         i64 acc_batch_stride, i64 acc_row_stride, i64 acc_head_stride,
                          i64 out_batch_stride, i64 out_row_stride, i64 out_head_stride,
                          int seqlen, int nheads, int head_dim, int group, float scale) {
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // over (row, head, column pair) of one batch
@@ -48,11 +50,12 @@ flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
     const int c = (int)(idx % pairs) * 2;
     const int head = (int)((idx / pairs) % nheads);
     const int row = (int)(idx / ((i64)pairs * nheads));
-    const float* src = acc + (((i64)batch * seqlen + row) * nheads * group + (i64)head * group) * head_dim + c;
+    const float* src = acc + batch * acc_batch_stride + row * acc_row_stride + (i64)head * group * acc_head_stride + c;
     float x = 0.f, y = 0.f;
     for (int g = 0; g < group; ++g) {
-        x += src[(i64)g * head_dim];
-        y += src[(i64)g * head_dim + 1];
+        const float2 pair = *reinterpret_cast<const float2*>(src + g * acc_head_stride);
+        x += pair.x;
+        y += pair.y;
     }
     *reinterpret_cast<u32*>(out + batch * out_batch_stride + row * out_row_stride + head * out_head_stride + c) =
         T::pack(x * scale, y * scale);
