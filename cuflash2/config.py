@@ -237,8 +237,8 @@ class BackwardPlan:
     """The launches of one backward pass, in order."""
 
     dot: KernelConfig  # D = rowsum(dO * O)
-    main: tuple[KernelConfig, ...]  # dK/dV (and dQ via atomics unless deterministic)
-    dq: KernelConfig | None  # deterministic dQ kernel, or None when dQ comes from atomics
+    main: tuple[KernelConfig, ...]  # dK/dV (and dQ when the plan accumulates it there)
+    dq: KernelConfig | None  # deterministic dQ kernel, or None when the main kernel accumulates dQ
     convert: KernelConfig  # fp32 accumulators -> output dtype
 
     def kernels(self) -> tuple[KernelConfig, ...]:
@@ -275,9 +275,11 @@ def _bwd_main(dtype, bucket, block_m, causal, variant, flags, arch, max_stages=2
 
 
 # Main-kernel tiles (block_m, warps, max Q/dO stages) when dQ is accumulated by the main kernel
-# (fp32 partial sums staged in shared memory, added to global memory a row at a time). Eight warps
-# = 128 keys per block halve the dQ traffic per MMA against four warps.
-_BWD_ATOMIC_TILES = {32: (64, 8, 2), 64: (64, 8, 2), 96: (32, 4, 1), 128: (32, 8, 1)}
+# (fp32 partial sums staged in shared memory, added to global memory by one bulk reduction per
+# query block). Eight warps = 128 keys per block halve the dQ traffic per MMA against four warps;
+# head dims 64 and 128 are the best of the H200 sweep in BENCHMARKS.md (d128: 207 TFLOP/s with two
+# Q/dO stages, 185 with one, 191 with 4 warps; seqlen 4k).
+_BWD_ATOMIC_TILES = {32: (64, 8, 2), 64: (64, 8, 2), 96: (32, 4, 1), 128: (32, 8, 2)}
 _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 
 
@@ -289,8 +291,9 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
 
     gqa: dK/dV are accumulated per query head in fp32 and summed over each group afterwards.
     split: produce dV and (dK, dQ) in two launches (default: only above head dim 128).
-    atomic_dq: accumulate dQ inside the main kernel (fp32 reductions into a global accumulator)
-    instead of running the dQ kernel, which recomputes S and dP but is deterministic.
+    atomic_dq: accumulate dQ inside the main kernel (fp32 bulk reductions into a global accumulator,
+    sm_90 only) instead of running the dQ kernel, which recomputes S and dP but is deterministic.
+    Off by default: on the H200 both plans measure within about +-6% of each other (BENCHMARKS.md).
     variant: the kernels with varlen / window / softcap / ALiBi support.
     tile: (block_m, warps, stages) of the main kernel producing dK (tuning only).
     """

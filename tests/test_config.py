@@ -263,3 +263,48 @@ def test_peak_tflops():
     assert bench.peak_tflops("NVIDIA H100 PCIe")[0] == 756.0
     peak, why = bench.peak_tflops("Some Future GPU")
     assert peak is None and "unknown" in why
+
+
+# ------------------------------------------------------------------------- backward dQ accumulation
+
+
+@pytest.mark.parametrize("arch", [80, 86])
+def test_atomic_dq_needs_sm90(arch):
+    """The main-kernel dQ accumulation relies on sm_90's bulk reductions: older GPUs get a clear error
+    from the planner and never see those kernels in the compile-all list."""
+    with pytest.raises(ValueError, match=r"atomic_dq: needs compute capability 9\.0 or newer, got 8\.\d"):
+        config.backward_plan(128, "bf16", False, arch, atomic_dq=True)
+    assert not any(c.kernel == config.BWD and c.flags[2] for c in config.all_backward_configs(arch))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_atomic_dq_plan_on_sm90(head_dim, gqa, causal):
+    """Every head dim has a main kernel that accumulates dQ, whose dQ product splits evenly over the
+    warps, and no dQ kernel; the plan is in the compile-all list."""
+    plan = config.backward_plan(head_dim, "fp16", causal, 90, gqa=gqa, atomic_dq=True)
+    assert plan.dq is None
+    with_dq = [c for c in plan.main if c.flags[2]]
+    assert len(with_dq) == 1
+    c = with_dq[0]
+    assert config._dq_split_ok(c.block_m, c.warps, c.head_dim), c.short_id()
+    assert c.block_n == 16 * c.warps
+    assert set(plan.kernels()) <= set(config.all_backward_configs(90))
+    with pytest.raises(ValueError, match="cannot be deterministic"):
+        config.backward_plan(head_dim, "fp16", causal, 90, deterministic=True, atomic_dq=True)
+
+
+def test_dq_split_rule():
+    """dQ = dS K over the warps: 16-row tiles times column groups of a multiple of 16 columns."""
+    assert config._dq_split_ok(32, 8, 128)  # 2 row tiles x 4 groups of 32 columns
+    assert not config._dq_split_ok(32, 8, 96)  # groups of 24 columns
+    assert config._dq_split_ok(64, 8, 96)  # 4 row tiles x 2 groups of 48
+    assert not config._dq_split_ok(64, 2, 64)  # 4 row tiles over 2 warps
+
+
+def test_backward_smem_includes_dq_staging():
+    c = config.KernelConfig(config.BWD, "bf16", 128, 32, 128, 8, 2, False, (True, True, True, False))
+    expected = 2 * 128 * 128 * 2 + 2 * (2 * 32 * 128 * 2 + 2 * 32 * 4) + 128 * 32 * 2 + 2 * 32 * 128 * 4
+    assert c.smem_bytes == expected
+    assert c.smem_bytes <= smem_limit(90)
