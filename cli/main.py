@@ -81,13 +81,13 @@ def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ..
                         unique[cfg.forward_config(dim, dtype, causal, arch, variant)] = None
                         unique[cfg.kvcache_config(dim, dtype, causal, arch)] = None
                         unique.update(dict.fromkeys(cfg.kvcache_helper_configs(dtype)))
-                    if "bwd" in kinds:
-                        atomic_options = (False, True) if cfg.atomic_dq_supported(arch) and not variant else (False,)
-                        for atomic_dq in atomic_options:
-                            for gqa in (False, True):
-                                plan = cfg.backward_plan(dim, dtype, causal, arch, gqa=gqa, atomic_dq=atomic_dq,
-                                                         variant=variant)
-                                unique.update(dict.fromkeys(plan.kernels()))
+                if "bwd" in kinds:
+                    for options in cfg.backward_plan_options(arch):
+                        if options.get("fused") and not cfg.fused_backward_supported(cfg.head_dim_bucket(dim), arch):
+                            continue
+                        for gqa in (False, True):
+                            plan = cfg.backward_plan(dim, dtype, causal, arch, gqa=gqa, **options)
+                            unique.update(dict.fromkeys(plan.kernels()))
     return sorted(unique, key=lambda c: c.short_id())
 
 

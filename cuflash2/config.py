@@ -31,9 +31,10 @@ SMEM_LIMIT_BYTES = {
 FWD, BWD, BWD_DQ, BWD_DOT, BWD_CONVERT = ("flash_fwd_kernel", "flash_bwd_kernel", "flash_bwd_dq_kernel",
                                           "flash_bwd_dot_do_o_kernel", "flash_bwd_convert_kernel")
 FWD_KVCACHE, ROTARY_COPY, FWD_COMBINE = "flash_fwd_kvcache_kernel", "rotary_copy_kernel", "flash_fwd_combine_kernel"
+BWD_FUSED = "flash_bwd_fused_kernel"
 SOURCE_FILE = {FWD: "flash_fwd.cu", BWD: "flash_bwd.cu", BWD_DQ: "flash_bwd_dq.cu",
                BWD_DOT: "flash_bwd_prepost.cu", BWD_CONVERT: "flash_bwd_prepost.cu", FWD_KVCACHE: "flash_fwd.cu",
-               ROTARY_COPY: "kvcache.cu", FWD_COMBINE: "kvcache.cu"}
+               ROTARY_COPY: "kvcache.cu", FWD_COMBINE: "kvcache.cu", BWD_FUSED: "flash_bwd_fused.cu"}
 _CPP_TYPE = {"bf16": "Bf16", "fp16": "Fp16"}
 
 
@@ -41,7 +42,8 @@ _CPP_TYPE = {"bf16": "Bf16", "fp16": "Fp16"}
 class KernelConfig:
     """One kernel instantiation.
 
-    `flags` holds the backward kernel's (dv, dk, dq, float_dkv) switches; unused fields are 0.
+    `flags` holds the backward kernel's (dv, dk, dq, float_dkv) switches, or the fused backward
+    kernel's (float_dkv,); unused fields are 0.
     `variant` selects the kernels with FA2's optional features (varlen, sliding window, softcap,
     ALiBi) as run-time parameters; plain calls use the kernels without them.
     """
@@ -72,6 +74,8 @@ class KernelConfig:
             return 2 * n * d * 2 + self.stages * (2 * m * d * 2 + 2 * m * 4) + dq_bytes
         if self.kernel == BWD_DQ:
             return 2 * m * d * 2 + 2 * n * d * 2
+        if self.kernel == BWD_FUSED:  # K, V; 2 stages of Q, dO, LSE, D; P^T, dS^T; 2 fp32 dQ buffers
+            return 2 * n * d * 2 + 2 * (2 * m * d * 2 + 2 * m * 4) + 2 * n * m * 2 + 2 * m * d * 4
         return 0
 
     def template_name(self) -> str:
@@ -83,12 +87,14 @@ class KernelConfig:
                                     self.stages, self.causal, self.variant)
         args = {FWD: cpp(t, d, m, n, w, s, c, var), BWD: cpp(t, d, m, n, w, s, c, var, *self.flags),
                 BWD_DQ: cpp(t, d, m, n, w, c, var), BWD_DOT: cpp(t, d), BWD_CONVERT: cpp(t),
-                FWD_KVCACHE: cpp(t, d, m, n, w, s, c), ROTARY_COPY: cpp(t), FWD_COMBINE: cpp(t)}[self.kernel]
+                FWD_KVCACHE: cpp(t, d, m, n, w, s, c), ROTARY_COPY: cpp(t), FWD_COMBINE: cpp(t),
+                BWD_FUSED: cpp(t, d, m, n, w, c, *self.flags)}[self.kernel]
         return f"{self.kernel}<{args}>"
 
     def short_id(self) -> str:
         name = {FWD: "fwd", BWD: "bwd", BWD_DQ: "bwd-dq", BWD_DOT: "bwd-dot", BWD_CONVERT: "bwd-convert",
-                FWD_KVCACHE: "fwd-kvcache", ROTARY_COPY: "rotary-copy", FWD_COMBINE: "fwd-combine"}[self.kernel]
+                FWD_KVCACHE: "fwd-kvcache", ROTARY_COPY: "rotary-copy", FWD_COMBINE: "fwd-combine",
+                BWD_FUSED: "bwd-fused"}[self.kernel]
         parts = [name, self.dtype]
         if self.head_dim:
             parts.append(f"d{self.head_dim}")
@@ -97,9 +103,15 @@ class KernelConfig:
             if self.variant:
                 parts.append("var")
             parts.append(f"m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}")
-        if self.flags:
-            parts.append("".join(name for name, on in zip(("dv", "dk", "dq", "f32"), self.flags) if on))
+        names = ("f32",) if self.kernel == BWD_FUSED else ("dv", "dk", "dq", "f32")
+        if any(self.flags):
+            parts.append("".join(name for name, on in zip(names, self.flags) if on))
         return "-".join(parts)
+
+    @property
+    def accumulates_dq(self) -> bool:
+        """A backward main kernel that adds its dQ partial sums to the fp32 accumulator."""
+        return self.kernel == BWD_FUSED or (self.kernel == BWD and self.flags[2])
 
     @property
     def source_file(self) -> str:
@@ -283,10 +295,32 @@ _BWD_ATOMIC_TILES = {32: (64, 8, 2), 64: (64, 8, 2), 96: (32, 4, 1), 128: (32, 8
 _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 
 
+FUSED_BWD_HEAD_DIMS = (64, 128)  # buckets whose dQ split and registers fit the fused kernel's layout
+
+
+def fused_backward_supported(bucket: int, arch: int, variant: bool = False, deterministic: bool = False) -> bool:
+    """Whether the one-pass backward kernel (flash_bwd_fused.cu: FA2's warp layout, dQ by bulk
+    reductions) serves this call: sm_90, plain attention, head-dim buckets 64 and 128."""
+    return atomic_dq_supported(arch) and not variant and not deterministic and bucket in FUSED_BWD_HEAD_DIMS
+
+
+def fused_backward_config(bucket: int, dtype: str, causal: bool, gqa: bool) -> KernelConfig:
+    return KernelConfig(BWD_FUSED, dtype, bucket, 64, 128, 8, 2, causal, (gqa,))
+
+
+def backward_plan_options(arch: int) -> list[dict]:
+    """Keyword sets of backward_plan covering every plan the library can run on `arch`."""
+    options = [{"variant": False}, {"variant": True}, {"deterministic": True}]
+    if atomic_dq_supported(arch):
+        options += [{"atomic_dq": True, "fused": False}, {"fused": True}]
+    return options
+
+
 @functools.lru_cache(maxsize=4096)
 def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, deterministic: bool = False,
                   gqa: bool = False, split: bool | None = None, atomic_dq: bool | None = None,
-                  variant: bool = False, tile: tuple[int, int, int] | None = None) -> BackwardPlan:
+                  variant: bool = False, tile: tuple[int, int, int] | None = None,
+                  fused: bool | None = None) -> BackwardPlan:
     """Kernels (and tile shapes) of one backward pass.
 
     gqa: dK/dV are accumulated per query head in fp32 and summed over each group afterwards.
@@ -296,10 +330,19 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
     Off by default: on the H200 both plans measure within about +-6% of each other (BENCHMARKS.md).
     variant: the kernels with varlen / window / softcap / ALiBi support.
     tile: (block_m, warps, stages) of the main kernel producing dK (tuning only).
+    fused: one kernel for dK, dV and dQ in FA2's warp layout (where fused_backward_supported).
     """
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
     causal, variant = bool(causal), bool(variant)
+    if fused and not fused_backward_supported(bucket, arch, variant, deterministic):
+        raise ValueError(f"fused: the one-pass backward needs sm_90, plain attention, non-deterministic mode and a "
+                         f"head dim in buckets {FUSED_BWD_HEAD_DIMS}; got head dim {head_dim}, arch {arch}, "
+                         f"variant={variant}, deterministic={deterministic}")
+    if fused:
+        return BackwardPlan(KernelConfig(BWD_DOT, dtype, bucket, warps=8),
+                            (fused_backward_config(bucket, dtype, causal, bool(gqa)),), None,
+                            KernelConfig(BWD_CONVERT, dtype, warps=8))
     if deterministic and atomic_dq:
         raise ValueError("atomic_dq: fp32 atomics cannot be deterministic")
     if atomic_dq and not atomic_dq_supported(arch):
@@ -349,13 +392,11 @@ def all_backward_configs(arch: int) -> list[KernelConfig]:
     for bucket in HEAD_DIM_BUCKETS:
         for dtype in DTYPES:
             for causal in (False, True):
-                for atomic_dq, variant in ((False, False), (True, False), (False, True)):
-                    if atomic_dq and not atomic_dq_supported(arch):
+                for options in backward_plan_options(arch):
+                    if options.get("fused") and not fused_backward_supported(bucket, arch):
                         continue
                     for gqa in (False, True):
-                        plan = backward_plan(bucket, dtype, causal, arch, gqa=gqa, atomic_dq=atomic_dq,
-                                             variant=variant)
-                        for config in plan.kernels():
+                        for config in backward_plan(bucket, dtype, causal, arch, gqa=gqa, **options).kernels():
                             configs[config] = None
     return list(configs)
 

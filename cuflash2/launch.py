@@ -74,9 +74,9 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
              dq: TensorInfo, dk: TensorInfo, dv: TensorInfo, shape: AttentionShape, causal: bool,
              deterministic: bool, device_id: int, stream, atomic_dq: bool | None = None,
              split: bool | None = None, arch: int | None = None, features: Features = PLAIN,
-             tile: tuple[int, int, int] | None = None) -> None:
-    """dq, dk, dv <- gradients. `atomic_dq`/`split`/`arch` (another GPU's tile table)/`tile` override
-    the plan: tuning and tests only. Varlen tensors come as in `forward`."""
+             tile: tuple[int, int, int] | None = None, fused: bool | None = None) -> None:
+    """dq, dk, dv <- gradients. `atomic_dq`/`split`/`arch` (another GPU's tile table)/`tile`/`fused`
+    override the plan: tuning and tests only. Varlen tensors come as in `forward`."""
     import cupy as cp
 
     h, d = shape.nheads, shape.head_dim
@@ -85,7 +85,7 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
     if variant and atomic_dq:
         raise ValueError("atomic_dq: the variant kernels (window/softcap/ALiBi/varlen) use the dQ kernel only")
     plan = backward_plan(d, SHORT_DTYPE[shape.dtype], causal, arch or device_arch(device_id), deterministic, gqa,
-                         split, atomic_dq, variant, tile)
+                         split, atomic_dq, variant, tile, fused)
     # Row-wise buffers (D, fp32 accumulators) cover (b, seqlen) rows, or the packed rows when varlen.
     if features.varlen:
         b, sq, sk = 1, features.total_q, features.total_k
@@ -101,7 +101,7 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
 
     dq_acc_ptr = delta_i.data_ptr  # unused unless the main kernel accumulates dQ
     if plan.dq is None:  # (b, h, sq rounded up to the query block, d): one block is one contiguous range
-        block_m = next(c.block_m for c in plan.main if c.flags[2])
+        block_m = next(c.block_m for c in plan.main if c.accumulates_dq)
         dq_acc, dq_acc_i = _scratch(cp, (b, h, math.ceil(sq / block_m) * block_m, d), zero=True)
         keep.append(dq_acc)
         dq_acc_ptr = dq_acc_i.data_ptr

@@ -37,9 +37,20 @@ struct DqStaging {
     // Adds the staged block to dq_block[0 : kBlockM * head_dim] (rows past the sequence's end land
     // in the accumulator's padding). Every thread calls it after storing its fragments.
     CF_DEVICE void flush(u32 buf, float* dq_block, int tid) const {
+        order_stores_before_bulk();
+        __syncthreads();
+        issue(buf, dq_block, tid);
+    }
+
+    // The two halves of flush, for kernels that already have a barrier between them: every thread
+    // that stored fragments calls order_stores_before_bulk, then after a barrier issue() sends the block.
+    CF_DEVICE void order_stores_before_bulk() const {
 #if CF_HAS_BULK_REDUCE
         fence_proxy_async_smem();
-        __syncthreads();
+#endif
+    }
+    CF_DEVICE void issue(u32 buf, float* dq_block, int tid) const {
+#if CF_HAS_BULK_REDUCE
         if (tid == 0) {
             bulk_reduce_add_f32(dq_block, buf, kBlockM * row_bytes);
             bulk_commit();

@@ -88,6 +88,20 @@ CF_DEVICE void gemm_rs(float (&acc)[MT][NT][4], const float (&a_acc)[MT][KT][4],
     }
 }
 
+// acc[MT][NT] += A * B with A (MT*16 x KSteps*16) row-major in smem and B (KSteps*16 x NT*8) row-major
+// in smem, read with ldmatrix.trans from column chunk b_chunk0.
+template <class T, int MT, int NT, int KSteps, class ATile, class BTile>
+CF_DEVICE void gemm_ab(float (&acc)[MT][NT][4], const LdsmCursor<ATile>& a_cur, const LdsmCursor<BTile>& b_cur,
+                       int b_chunk0) {
+#pragma unroll
+    for (int ks = 0; ks < KSteps; ++ks) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a_cur.at(mt * 16, 2 * ks), a[mt]);
+        mma_row_major_b<T>(acc, a, b_cur, ks, b_chunk0);
+    }
+}
+
 // acc[MT][NT] += A * B with A^T (KSteps*16 x MT*16) and B (KSteps*16 x NT*8) row-major in smem, both
 // read with ldmatrix.trans. A rows start at a_chunk0 (in 8-column chunks), B columns at b_chunk0.
 template <class T, int MT, int NT, int KSteps, class ATile, class BTile>

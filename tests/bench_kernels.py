@@ -12,7 +12,7 @@ import numpy as np
 import cuflash2
 from cuflash2 import bench, launch
 from cuflash2.interop import describe
-from cuflash2.config import FWD, KernelConfig, forward_config
+from cuflash2.config import FUSED_BWD_HEAD_DIMS, FWD, KernelConfig, forward_config
 from cuflash2.validate import AttentionShape
 
 
@@ -41,7 +41,7 @@ def torch_sdpa_bwd(backend_name, q, k, v, causal):
     return run
 
 
-def bench_bwd(q, k, v, causal, flops, split=None, atomic_dq=None, tile=None):
+def bench_bwd(q, k, v, causal, flops, split=None, atomic_dq=None, tile=None, fused=None):
     """Backward kernels alone (launch level: no per-call Python validation)."""
     qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
     out, lse = cuflash2.flash_attn_forward(qc, kc, vc, causal=causal)
@@ -52,7 +52,7 @@ def bench_bwd(q, k, v, causal, flops, split=None, atomic_dq=None, tile=None):
     infos = [describe("x", x) for x in (dout, qc, kc, vc, out, lse, *grads)]
     stream = cp.cuda.get_current_stream()
     ms = bench.time_cuda_ms(lambda: launch.backward(*infos, shape, causal, False, 0, stream, atomic_dq, split,
-                                                               tile=tile))
+                                                               tile=tile, fused=fused))
     return flops / ms / 1e9
 
 
@@ -102,6 +102,8 @@ def main():
                         if args.sweep:
                             row["dq_kernel"] = bench_bwd(q, k, v, causal, flops, atomic_dq=False)
                             row["atomic"] = bench_bwd(q, k, v, causal, flops, atomic_dq=True)
+                            if head_dim in FUSED_BWD_HEAD_DIMS:
+                                row["fused"] = bench_bwd(q, k, v, causal, flops, fused=True)
                             row["atomic_tiles"] = {
                                 str(tile): round(bench_bwd(q, k, v, causal, flops, atomic_dq=True, tile=tile), 1)
                                 for tile in BWD_ATOMIC_SWEEP.get(head_dim, ())}

@@ -111,12 +111,17 @@ def test_noncontiguous_dout_and_given_outputs():
         assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
 
 
+_SM90_PLANS = [pytest.param({"atomic_dq": True}, hd, id=f"atomic-{hd}") for hd in (64, 96, 128, 256)] + [
+    pytest.param({"fused": True}, hd, id=f"fused-{hd}") for hd in (64, 128)]
+
+
+@pytest.mark.parametrize("seqlens", [(211, 157), (64, 300)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads_kv", [4, 2])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
-def test_atomic_dq_plan_matches_reference(head_dim, heads_kv, causal):
-    """The plan whose main kernel accumulates dQ (bulk fp32 reductions, sm_90) stays correct, with
-    ragged query blocks (211 rows) and GQA."""
+@pytest.mark.parametrize(("plan", "head_dim"), _SM90_PLANS)
+def test_sm90_dq_plans_match_reference(plan, head_dim, heads_kv, causal, seqlens):
+    """The plans that accumulate dQ with bulk fp32 reductions (sm_90) stay correct: the main kernel
+    with dQ, and the fused one-pass kernel; ragged query and key blocks, GQA, causal or not."""
     import cupy as cp
 
     import cuflash2
@@ -124,15 +129,18 @@ def test_atomic_dq_plan_matches_reference(head_dim, heads_kv, causal):
     from cuflash2.interop import describe
     from cuflash2.validate import validate_qkv
 
-    q, k, v = make_inputs(cp, 2, 211, 157, 4, heads_kv, head_dim, "bf16", head_dim)
-    (dout,) = make_inputs(cp, 2, 211, 1, 4, 1, head_dim, "bf16", 7)[:1]
+    if launch.device_arch(0) < 90:
+        pytest.skip("bulk reductions need sm_90")
+    seqlen_q, seqlen_k = seqlens
+    q, k, v = make_inputs(cp, 2, seqlen_q, seqlen_k, 4, heads_kv, head_dim, "bf16", head_dim)
+    (dout,) = make_inputs(cp, 2, seqlen_q, 1, 4, 1, head_dim, "bf16", 7)[:1]
     out, lse = cuflash2.flash_attn_forward(q, k, v, causal=causal)
     grads = [cp.empty_like(x) for x in (q, k, v)]
     infos = [describe("x", x) for x in (q, k, v)]
     shape = validate_qkv(*infos)
     launch.backward(describe("dout", dout), *infos, describe("out", out), describe("lse", lse),
                     *(describe("g", g) for g in grads), shape, causal, False, 0, cp.cuda.get_current_stream(),
-                    atomic_dq=True)
+                    **plan)
     f32 = [as_float32(cp, x) for x in (q, k, v, dout)]
     ref = attention_backward_ref(cp, *f32, causal)
     naive = attention_backward_ref(cp, *f32, causal, low_precision="bfloat16")

@@ -1,0 +1,248 @@
+// FlashAttention-2 backward in one kernel (sm_90): dK, dV and dQ from a single pass, with
+// FlashAttention-2's warp layout. One thread block per (128-key block, query head, batch), 8 warps;
+// warp w works on the 32 keys of key group w % 4 and on half h = w / 4 of the other dimension.
+// Per query block of kBlockM rows:
+//   S^T = K Q^T, dP^T = V dO^T                 keys of the group x queries of half h
+//   P^T = exp(scale S^T - LSE), dS^T = P^T (dP^T - D)  -> shared memory (16-bit), for every warp
+//   dV += P^T dO, dK += dS^T Q                 keys of the group x head-dim columns of half h
+//   dQ  = dS K                                 32 query rows x a column group per warp, staged in
+//                                              fp32 and added to the global accumulator by one bulk
+//                                              reduction per query block (dq_staging.cuh)
+// Every fragment read from shared memory feeds two 16-row MMA tiles; the main backward kernel
+// (flash_bwd.cu, one 16-key tile per warp) feeds one, and recomputes S and dP for dQ in a second kernel.
+// Plain attention only (causal or not, MHA or GQA); the optional features use flash_bwd.cu.
+#include "ptx.cuh"
+#include "smem_tile.cuh"
+#include "block_mask.cuh"
+#include "variant.cuh"
+#include "warp_gemm.cuh"
+#include "dq_staging.cuh"
+
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
+struct FusedBwdTraits {
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kKeyGroups = 4;
+    static constexpr int kWarpKeys = kBlockN / kKeyGroups;  // 32: two MMA row tiles
+    static constexpr int kSTiles = kBlockM / 2 / 8;          // 8-query tiles of a warp's S^T half
+    static constexpr int kDTiles = kHeadDim / 2 / 8;         // 8-column tiles of a warp's dK/dV half
+    static constexpr int kDqRowGroups = kBlockM / 32;
+    static constexpr int kDqColGroups = kNWarps / kDqRowGroups;
+    static constexpr int kDqTiles = kHeadDim / kDqColGroups / 8;
+    using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
+    using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
+    using PTile = SwizzledTile<kBlockN, kBlockM>;   // P^T and dS^T
+    using DqStage = DqStaging<kBlockM, kHeadDim>;
+    static constexpr int kQStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
+    static constexpr int kSmemBytes = 2 * KTile::kBytes + 2 * kQStageBytes + 2 * PTile::kBytes + DqStage::kBytes;
+    static_assert(kNWarps == 8 && kWarpKeys == 32, "4 key groups x 2 halves of 32-key warps");
+    static_assert(kSTiles % 2 == 0 && kDTiles % 2 == 0 && kDqTiles % 2 == 0 && kDqColGroups * kDqRowGroups == kNWarps,
+                  "tile shape");
+};
+
+// Rows (row0 + mt * 16 + lane / 4 (+8)) x columns (col0 + nt * 8 + 2 * (lane % 4)) of a 2 x kTiles
+// fragment block, scaled, stored as T (16-bit, with row stride) or as fp32.
+template <class T, bool kFloatOut, int kTiles>
+CF_DEVICE void store_fragments(const float (&acc)[2][kTiles][4], void* out, i64 row_stride, int row0, int valid_rows,
+                               int col0, int head_dim, float scale, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + mt * 16 + lane / 4 + 8 * r;
+            if (row >= valid_rows) continue;
+#pragma unroll
+            for (int nt = 0; nt < kTiles; ++nt) {
+                const int col = col0 + nt * 8 + (lane % 4) * 2;
+                if (col >= head_dim) continue;
+                const float x = acc[mt][nt][2 * r] * scale, y = acc[mt][nt][2 * r + 1] * scale;
+                if (kFloatOut) {
+                    *reinterpret_cast<float2*>(static_cast<float*>(out) + row * row_stride + col) = make_float2(x, y);
+                } else {
+                    *reinterpret_cast<u32*>(static_cast<u16*>(out) + row * row_stride + col) = T::pack(x, y);
+                }
+            }
+        }
+}
+
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kCausal, bool kFloatDkv>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_bwd_fused_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                       const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                       float* __restrict__ dq_accum, void* __restrict__ dk, void* __restrict__ dv,
+                       i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
+                       i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
+                       i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
+                       i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
+                       i64 dk_batch_stride, i64 dk_row_stride, i64 dk_head_stride,
+                       i64 dv_batch_stride, i64 dv_row_stride, i64 dv_head_stride,
+                       int seqlen_q, int seqlen_k, int head_dim, int kv_group, float scale_log2, float softmax_scale,
+                       CF_VARIANT_PARAMS) {
+    using Tr = FusedBwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    extern __shared__ __align__(128) char smem[];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int key_group = warp % Tr::kKeyGroups, half = warp / Tr::kKeyGroups;
+    const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z, kv_head = head / kv_group;
+    const VariantArgs va = CF_VARIANT_ARGS;
+    const SeqRange seq = SeqRange::make<false>(va, batch, gridDim.y, seqlen_q, seqlen_k);
+    const auto mask = make_mask<kCausal, false>(seq, va);
+    const int key0 = n_block * kBlockN, keys_left = seq.seqlen_k - key0;
+    const float kLog2e = 1.4426950408889634f;
+
+    const u32 k_smem = smem_addr(smem), v_smem = k_smem + Tr::KTile::kBytes;
+    const u32 stage0 = v_smem + Tr::KTile::kBytes;
+    const u32 pt_smem = stage0 + 2 * Tr::kQStageBytes, dst_smem = pt_smem + Tr::PTile::kBytes;
+    const typename Tr::DqStage dq_stage{dst_smem + Tr::PTile::kBytes, head_dim * 4};
+
+    const u16* q_head = q + batch * q_batch_stride + head * q_head_stride;
+    const u16* do_head = dout + batch * do_batch_stride + head * do_head_stride;
+    const float* lse_head = lse + seq.lse_offset(head);
+    const float* delta_head = delta + seq.lse_offset(head);
+    // dq_accum: (batch, head, seqlen_q rounded up to kBlockM, head_dim) fp32.
+    float* dq_head = dq_accum + ((i64)batch * gridDim.y + head) * ((i64)(seq.seqlen_q + kBlockM - 1) / kBlockM * kBlockM) * head_dim;
+    const int m_begin = mask.query_block_begin(n_block, kBlockM, kBlockN);
+    const int m_end = mask.query_block_end(n_block, kBlockM, kBlockN);
+
+    // K and V stay resident; Q, dO and their row vectors (LSE, D) stream through two stages.
+    TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, k_row_stride)
+        .load(k_smem, k + batch * k_batch_stride + kv_head * k_head_stride + (i64)key0 * k_row_stride, keys_left, head_dim);
+    TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, v_row_stride)
+        .load(v_smem, v + batch * v_batch_stride + kv_head * v_head_stride + (i64)key0 * v_row_stride, keys_left, head_dim);
+    const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> q_loader(tid, q_row_stride);
+    const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> do_loader(tid, do_row_stride);
+    auto load_query_block = [&](int m_block) {
+        if (m_block < m_end) {
+            const u32 stage = stage0 + ((m_block - m_begin) % 2) * Tr::kQStageBytes;
+            const int row0 = m_block * kBlockM, rows_left = seq.seqlen_q - row0;
+            q_loader.load(stage, q_head + (i64)row0 * q_row_stride, rows_left, head_dim);
+            do_loader.load(stage + Tr::QTile::kBytes, do_head + (i64)row0 * do_row_stride, rows_left, head_dim);
+            for (int i = tid; i < 2 * kBlockM; i += Tr::kThreads) {
+                const int row = i % kBlockM;
+                const float* src = (i < kBlockM ? lse_head : delta_head) + row0 + row;
+                cp_async_4(stage + 2 * Tr::QTile::kBytes + i * 4, row < rows_left ? src : lse_head, row < rows_left);
+            }
+        }
+        cp_async_commit();
+    };
+    load_query_block(m_begin);  // K and V ride in the same group
+
+    float acc_dk[2][Tr::kDTiles][4], acc_dv[2][Tr::kDTiles][4];
+    zero_acc(acc_dk);
+    zero_acc(acc_dv);
+    const int warp_key0 = key_group * Tr::kWarpKeys;           // first key of this warp (in the block)
+    const int warp_query0 = half * (kBlockM / 2);              // first query of this warp's S^T half
+    const int dq_row0 = (warp % Tr::kDqRowGroups) * 32;        // dQ: first row and column tile
+    const int dq_tile0 = (warp / Tr::kDqRowGroups) * Tr::kDqTiles;
+    const LdsmCursor<typename Tr::KTile> k_as_a(k_smem, warp_key0 + lane % 16, lane / 16);
+    const LdsmCursor<typename Tr::KTile> v_as_a(v_smem, warp_key0 + lane % 16, lane / 16);
+    const LdsmCursor<typename Tr::KTile> k_as_b(k_smem, lane % 16, lane / 16);  // trans: rows = keys
+    const LdsmCursor<typename Tr::PTile> pt_as_a(pt_smem, warp_key0 + lane % 16, lane / 16);
+    const LdsmCursor<typename Tr::PTile> dst_as_a(dst_smem, warp_key0 + lane % 16, lane / 16);
+    const LdsmCursor<typename Tr::PTile> dst_as_at(dst_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    // Byte offset in P^T / dS^T of this lane's pair (rows + 8 r, columns 2 (lane % 4) + {0, 1}) of tile (mt, nt).
+    auto p_tile_offset = [&](int mt, int nt, int r) {
+        return Tr::PTile::chunk_offset(warp_key0 + mt * 16 + lane / 4 + 8 * r, warp_query0 / 8 + nt) + (lane % 4) * 4;
+    };
+
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+        const int it = m_block - m_begin;
+        const u32 q_smem = stage0 + (it % 2) * Tr::kQStageBytes, do_smem = q_smem + Tr::QTile::kBytes;
+        const float* lse_rows = reinterpret_cast<const float*>(smem + (q_smem - k_smem) + 2 * Tr::QTile::kBytes);
+        const float* delta_rows = lse_rows + kBlockM;
+        cp_async_wait<0>();
+        __syncthreads();  // this stage has landed; P^T / dS^T and the other stage are free again
+        if (it > 0) dq_stage.issue(dq_stage.buffer(it - 1), dq_head + (i64)(m_block - 1) * kBlockM * head_dim, tid);
+        load_query_block(m_block + 1);
+
+        // S^T = K Q^T, then P^T = exp2(S^T * scale_log2 - LSE * log2 e), zero where masked.
+        float p[2][Tr::kSTiles][4];
+        zero_acc(p);
+        gemm_abt<T, 2, Tr::kSTiles, kHeadDim / 16>(
+            p, k_as_a, LdsmCursor<typename Tr::QTile>(q_smem, warp_query0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
+        const bool needs_mask = mask.tile_needs_mask(m_block, n_block, kBlockM, kBlockN);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < Tr::kSTiles; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int col = warp_query0 + nt * 8 + (lane % 4) * 2 + (i & 1);
+                    const int key = key0 + warp_key0 + mt * 16 + lane / 4 + (i >= 2 ? 8 : 0);
+                    float pv = fast_exp2(fmaf(p[mt][nt][i], scale_log2, -lse_rows[col] * kLog2e));
+                    if (needs_mask && !mask.visible_in_range(m_block * kBlockM + col, key)) pv = 0.f;
+                    p[mt][nt][i] = pv;
+                }
+        // P^T goes to shared memory now (the dV / dK products need every query of the block) and
+        // stays in registers only as 16-bit pairs: dS^T uses the P that dV uses, and 16 registers
+        // instead of 32 keep the head-dim-128 kernel from spilling.
+        u32 p16[2][Tr::kSTiles][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < Tr::kSTiles; ++nt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    p16[mt][nt][r] = T::pack(p[mt][nt][2 * r], p[mt][nt][2 * r + 1]);
+                    *reinterpret_cast<u32*>(smem + (pt_smem - k_smem) + p_tile_offset(mt, nt, r)) = p16[mt][nt][r];
+                }
+        // dP^T = V dO^T, then dS^T = P^T * (dP^T - D), to shared memory as well.
+        float ds[2][Tr::kSTiles][4];
+        zero_acc(ds);
+        gemm_abt<T, 2, Tr::kSTiles, kHeadDim / 16>(
+            ds, v_as_a, LdsmCursor<typename Tr::QTile>(do_smem, warp_query0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < Tr::kSTiles; ++nt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int col = warp_query0 + nt * 8 + (lane % 4) * 2;
+                    const float p_lo = T::to_float((u16)(p16[mt][nt][r] & 0xffffu));
+                    const float p_hi = T::to_float((u16)(p16[mt][nt][r] >> 16));
+                    const float ds_lo = p_lo * (ds[mt][nt][2 * r] - delta_rows[col]);
+                    const float ds_hi = p_hi * (ds[mt][nt][2 * r + 1] - delta_rows[col + 1]);
+                    *reinterpret_cast<u32*>(smem + (dst_smem - k_smem) + p_tile_offset(mt, nt, r)) = T::pack(ds_lo, ds_hi);
+                }
+        dq_stage.wait_buffer_free(tid);
+        __syncthreads();  // P^T and dS^T complete
+
+        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dv, pt_as_a, LdsmCursor<typename Tr::QTile>(do_smem, lane % 16, lane / 16),
+                                                 half * Tr::kDTiles);  // dV += P^T dO
+        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dk, dst_as_a, LdsmCursor<typename Tr::QTile>(q_smem, lane % 16, lane / 16),
+                                                 half * Tr::kDTiles);  // dK += dS^T Q
+        // dQ = dS K for rows [dq_row0, +32) of this query block, two 8-column tiles at a time (fewer
+        // live registers next to the dK / dV accumulators).
+        const u32 dq_buf = dq_stage.buffer(it);
+#pragma unroll
+        for (int t0 = 0; t0 < Tr::kDqTiles; t0 += 2) {
+            float acc_dq[2][2][4];
+            zero_acc(acc_dq);
+            gemm_atb<T, 2, 2, kBlockN / 16>(acc_dq, dst_as_at, dq_row0 / 8, k_as_b, dq_tile0 + t0);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+                    dq_stage.store_fragment(dq_buf, dq_row0 + mt * 16 + lane / 4, (dq_tile0 + t0 + nt) * 8 + (lane % 4) * 2,
+                                            acc_dq[mt][nt]);
+        }
+        dq_stage.order_stores_before_bulk();  // sent after the next barrier
+    }
+    if (m_end > m_begin) {
+        __syncthreads();
+        dq_stage.issue(dq_stage.buffer(m_end - 1 - m_begin), dq_head + (i64)(m_end - 1) * kBlockM * head_dim, tid);
+        dq_stage.drain(tid);
+    }
+
+    // Epilogue: dK carries the softmax scale (S was scaled).
+    const int row0 = key0 + warp_key0, col0 = half * (kHeadDim / 2);
+    if (kFloatDkv) {
+        const i64 rs = (i64)gridDim.y * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
+        const i64 base = (seq.k_flat * gridDim.y + head) * head_dim;
+        store_fragments<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seq.seqlen_k, col0, head_dim, softmax_scale, lane);
+        store_fragments<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seq.seqlen_k, col0, head_dim, 1.f, lane);
+    } else {
+        u16* dk_seq = static_cast<u16*>(dk) + batch * dk_batch_stride + kv_head * dk_head_stride;
+        u16* dv_seq = static_cast<u16*>(dv) + batch * dv_batch_stride + kv_head * dv_head_stride;
+        store_fragments<T, false>(acc_dk, dk_seq, dk_row_stride, row0, seq.seqlen_k, col0, head_dim, softmax_scale, lane);
+        store_fragments<T, false>(acc_dv, dv_seq, dv_row_stride, row0, seq.seqlen_k, col0, head_dim, 1.f, lane);
+    }
+}
