@@ -83,9 +83,10 @@ def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ..
                         unique.update(dict.fromkeys(cfg.kvcache_helper_configs(dtype)))
                 if "bwd" in kinds:
                     for options in cfg.backward_plan_options(arch):
-                        if options.get("fused") and not cfg.fused_backward_supported(cfg.head_dim_bucket(dim), arch):
-                            continue
                         for gqa in (False, True):
+                            if options.get("fused") and not cfg.fused_backward_supported(
+                                    cfg.head_dim_bucket(dim), arch, causal=causal, gqa=gqa):
+                                continue
                             plan = cfg.backward_plan(dim, dtype, causal, arch, gqa=gqa, **options)
                             unique.update(dict.fromkeys(plan.kernels()))
     return sorted(unique, key=lambda c: c.short_id())

@@ -296,12 +296,19 @@ _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 
 
 FUSED_BWD_HEAD_DIMS = (64, 128)  # buckets whose dQ split and registers fit the fused kernel's layout
+# Where the fused kernel is the default: head dim 128 measured 1.1-1.26x the two-kernel plan on the
+# H200 (seqlen 1k-4k, BENCHMARKS.md); at head dim 64 both are within a few percent, and the
+# two-kernel plan is deterministic.
+FUSED_BWD_DEFAULT_HEAD_DIMS = (128,)
 
 
-def fused_backward_supported(bucket: int, arch: int, variant: bool = False, deterministic: bool = False) -> bool:
+def fused_backward_supported(bucket: int, arch: int, variant: bool = False, deterministic: bool = False,
+                             causal: bool = False, gqa: bool = False) -> bool:
     """Whether the one-pass backward kernel (flash_bwd_fused.cu: FA2's warp layout, dQ by bulk
-    reductions) serves this call: sm_90, plain attention, head-dim buckets 64 and 128."""
-    return atomic_dq_supported(arch) and not variant and not deterministic and bucket in FUSED_BWD_HEAD_DIMS
+    reductions) serves this call: sm_90, plain attention, head-dim buckets 64 and 128; not causal
+    GQA at head dim 128, whose instantiation (fp32 dK/dV) spills 8 bytes."""
+    return (atomic_dq_supported(arch) and not variant and not deterministic and bucket in FUSED_BWD_HEAD_DIMS
+            and not (bucket == 128 and causal and gqa))
 
 
 def fused_backward_config(bucket: int, dtype: str, causal: bool, gqa: bool) -> KernelConfig:
@@ -312,7 +319,7 @@ def backward_plan_options(arch: int) -> list[dict]:
     """Keyword sets of backward_plan covering every plan the library can run on `arch`."""
     options = [{"variant": False}, {"variant": True}, {"deterministic": True}]
     if atomic_dq_supported(arch):
-        options += [{"atomic_dq": True, "fused": False}, {"fused": True}]
+        options += [{"atomic_dq": True}, {"fused": True}]
     return options
 
 
@@ -335,10 +342,15 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
     causal, variant = bool(causal), bool(variant)
-    if fused and not fused_backward_supported(bucket, arch, variant, deterministic):
-        raise ValueError(f"fused: the one-pass backward needs sm_90, plain attention, non-deterministic mode and a "
-                         f"head dim in buckets {FUSED_BWD_HEAD_DIMS}; got head dim {head_dim}, arch {arch}, "
-                         f"variant={variant}, deterministic={deterministic}")
+    supported = fused_backward_supported(bucket, arch, variant, deterministic, causal, bool(gqa))
+    if fused is None:  # the default: where measured faster, unless the caller chose a plan
+        fused = (supported and bucket in FUSED_BWD_DEFAULT_HEAD_DIMS and atomic_dq is None and split is None
+                 and tile is None)
+    if fused and not supported:
+        raise ValueError(f"fused: the one-pass backward needs sm_90, plain attention, non-deterministic mode, a "
+                         f"head dim in buckets {FUSED_BWD_HEAD_DIMS} and not causal GQA at 128; got head dim "
+                         f"{head_dim}, arch {arch}, variant={variant}, deterministic={deterministic}, "
+                         f"causal={causal}, gqa={bool(gqa)}")
     if fused:
         return BackwardPlan(KernelConfig(BWD_DOT, dtype, bucket, warps=8),
                             (fused_backward_config(bucket, dtype, causal, bool(gqa)),), None,
@@ -393,9 +405,9 @@ def all_backward_configs(arch: int) -> list[KernelConfig]:
         for dtype in DTYPES:
             for causal in (False, True):
                 for options in backward_plan_options(arch):
-                    if options.get("fused") and not fused_backward_supported(bucket, arch):
-                        continue
                     for gqa in (False, True):
+                        if options.get("fused") and not fused_backward_supported(bucket, arch, causal=causal, gqa=gqa):
+                            continue
                         for config in backward_plan(bucket, dtype, causal, arch, gqa=gqa, **options).kernels():
                             configs[config] = None
     return list(configs)

@@ -230,7 +230,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dv, p, do_as_b);  // dV += (P Z)^T dO
             }
             gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dk, ds, LdsmCursor<typename Tr::QTile>(q_smem, lane % 16, lane / 16));
-            if (kDq) {
+            if constexpr (kDq) {  // constexpr: the dQ path is only instantiated where it exists (sm_90)
 #pragma unroll
                 for (int nt = 0; nt < Tr::kQTiles; ++nt)
 #pragma unroll

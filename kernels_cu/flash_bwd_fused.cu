@@ -93,12 +93,12 @@ flash_bwd_fused_kernel(const u16* __restrict__ q, const u16* __restrict__ k, con
     const u32 pt_smem = stage0 + 2 * Tr::kQStageBytes, dst_smem = pt_smem + Tr::PTile::kBytes;
     const typename Tr::DqStage dq_stage{dst_smem + Tr::PTile::kBytes, head_dim * 4};
 
-    const u16* q_head = q + batch * q_batch_stride + head * q_head_stride;
-    const u16* do_head = dout + batch * do_batch_stride + head * do_head_stride;
-    const float* lse_head = lse + seq.lse_offset(head);
-    const float* delta_head = delta + seq.lse_offset(head);
-    // dq_accum: (batch, head, seqlen_q rounded up to kBlockM, head_dim) fp32.
-    float* dq_head = dq_accum + ((i64)batch * gridDim.y + head) * ((i64)(seq.seqlen_q + kBlockM - 1) / kBlockM * kBlockM) * head_dim;
+    // Per-block addresses are recomputed where used (a few integer ops) rather than kept live
+    // through the loop next to the dK / dV accumulators.
+    auto dq_block = [&](int m_block) {  // dq_accum: (batch, head, seqlen_q rounded up to kBlockM, head_dim) fp32
+        const i64 rows = (i64)(seq.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
+        return dq_accum + (((i64)batch * gridDim.y + head) * rows + (i64)m_block * kBlockM) * head_dim;
+    };
     const int m_begin = mask.query_block_begin(n_block, kBlockM, kBlockN);
     const int m_end = mask.query_block_end(n_block, kBlockM, kBlockN);
 
@@ -107,12 +107,18 @@ flash_bwd_fused_kernel(const u16* __restrict__ q, const u16* __restrict__ k, con
         .load(k_smem, k + batch * k_batch_stride + kv_head * k_head_stride + (i64)key0 * k_row_stride, keys_left, head_dim);
     TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, v_row_stride)
         .load(v_smem, v + batch * v_batch_stride + kv_head * v_head_stride + (i64)key0 * v_row_stride, keys_left, head_dim);
-    const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> q_loader(tid, q_row_stride);
-    const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> do_loader(tid, do_row_stride);
     auto load_query_block = [&](int m_block) {
         if (m_block < m_end) {
+            // Loaders built per call: their per-thread offsets are cheap to recompute and would
+            // otherwise stay live through the whole loop next to the dK/dV accumulators.
+            const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> q_loader(tid, q_row_stride);
+            const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> do_loader(tid, do_row_stride);
             const u32 stage = stage0 + ((m_block - m_begin) % 2) * Tr::kQStageBytes;
             const int row0 = m_block * kBlockM, rows_left = seq.seqlen_q - row0;
+            const u16* q_head = q + batch * q_batch_stride + head * q_head_stride;
+            const u16* do_head = dout + batch * do_batch_stride + head * do_head_stride;
+            const float* lse_head = lse + seq.lse_offset(head);
+            const float* delta_head = delta + seq.lse_offset(head);
             q_loader.load(stage, q_head + (i64)row0 * q_row_stride, rows_left, head_dim);
             do_loader.load(stage + Tr::QTile::kBytes, do_head + (i64)row0 * do_row_stride, rows_left, head_dim);
             for (int i = tid; i < 2 * kBlockM; i += Tr::kThreads) {
@@ -150,7 +156,7 @@ flash_bwd_fused_kernel(const u16* __restrict__ q, const u16* __restrict__ k, con
         const float* delta_rows = lse_rows + kBlockM;
         cp_async_wait<0>();
         __syncthreads();  // this stage has landed; P^T / dS^T and the other stage are free again
-        if (it > 0) dq_stage.issue(dq_stage.buffer(it - 1), dq_head + (i64)(m_block - 1) * kBlockM * head_dim, tid);
+        if (it > 0) dq_stage.issue(dq_stage.buffer(it - 1), dq_block(m_block - 1), tid);
         load_query_block(m_block + 1);
 
         // S^T = K Q^T, then P^T = exp2(S^T * scale_log2 - LSE * log2 e), zero where masked.
@@ -171,19 +177,18 @@ flash_bwd_fused_kernel(const u16* __restrict__ q, const u16* __restrict__ k, con
                     if (needs_mask && !mask.visible_in_range(m_block * kBlockM + col, key)) pv = 0.f;
                     p[mt][nt][i] = pv;
                 }
-        // P^T goes to shared memory now (the dV / dK products need every query of the block) and
-        // stays in registers only as 16-bit pairs: dS^T uses the P that dV uses, and 16 registers
-        // instead of 32 keep the head-dim-128 kernel from spilling.
-        u32 p16[2][Tr::kSTiles][2];
+        // P^T goes to shared memory now (the dV / dK products need every query of the block); dS^T
+        // reads this lane's own P back from there (no barrier needed) instead of keeping it in
+        // registers through the dP product: that keeps the head-dim-128 kernel from spilling, and
+        // dS uses the same rounded P as dV.
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int nt = 0; nt < Tr::kSTiles; ++nt)
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    p16[mt][nt][r] = T::pack(p[mt][nt][2 * r], p[mt][nt][2 * r + 1]);
-                    *reinterpret_cast<u32*>(smem + (pt_smem - k_smem) + p_tile_offset(mt, nt, r)) = p16[mt][nt][r];
-                }
+                for (int r = 0; r < 2; ++r)
+                    *reinterpret_cast<u32*>(smem + (pt_smem - k_smem) + p_tile_offset(mt, nt, r)) =
+                        T::pack(p[mt][nt][2 * r], p[mt][nt][2 * r + 1]);
         // dP^T = V dO^T, then dS^T = P^T * (dP^T - D), to shared memory as well.
         float ds[2][Tr::kSTiles][4];
         zero_acc(ds);
@@ -196,10 +201,9 @@ flash_bwd_fused_kernel(const u16* __restrict__ q, const u16* __restrict__ k, con
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int col = warp_query0 + nt * 8 + (lane % 4) * 2;
-                    const float p_lo = T::to_float((u16)(p16[mt][nt][r] & 0xffffu));
-                    const float p_hi = T::to_float((u16)(p16[mt][nt][r] >> 16));
-                    const float ds_lo = p_lo * (ds[mt][nt][2 * r] - delta_rows[col]);
-                    const float ds_hi = p_hi * (ds[mt][nt][2 * r + 1] - delta_rows[col + 1]);
+                    const u32 p_pair = *reinterpret_cast<const u32*>(smem + (pt_smem - k_smem) + p_tile_offset(mt, nt, r));
+                    const float ds_lo = T::to_float((u16)(p_pair & 0xffffu)) * (ds[mt][nt][2 * r] - delta_rows[col]);
+                    const float ds_hi = T::to_float((u16)(p_pair >> 16)) * (ds[mt][nt][2 * r + 1] - delta_rows[col + 1]);
                     *reinterpret_cast<u32*>(smem + (dst_smem - k_smem) + p_tile_offset(mt, nt, r)) = T::pack(ds_lo, ds_hi);
                 }
         dq_stage.wait_buffer_free(tid);
@@ -228,21 +232,27 @@ flash_bwd_fused_kernel(const u16* __restrict__ q, const u16* __restrict__ k, con
     }
     if (m_end > m_begin) {
         __syncthreads();
-        dq_stage.issue(dq_stage.buffer(m_end - 1 - m_begin), dq_head + (i64)(m_end - 1) * kBlockM * head_dim, tid);
+        dq_stage.issue(dq_stage.buffer(m_end - 1 - m_begin), dq_block(m_end - 1), tid);
         dq_stage.drain(tid);
     }
 
-    // Epilogue: dK carries the softmax scale (S was scaled).
-    const int row0 = key0 + warp_key0, col0 = half * (kHeadDim / 2);
+    // Epilogue: dK carries the softmax scale (S was scaled). Its indices are recomputed from opaque
+    // copies of the thread and block ids: kept from the prologue they would stay live through the
+    // loop, where every register is taken by the accumulators and the MMA operands.
+    const int tid_e = opaque_int(threadIdx.x), lane_e = tid_e % 32, warp_e = tid_e / 32;
+    const int head_e = opaque_int(blockIdx.y), batch_e = opaque_int(blockIdx.z);
+    const int row0 = opaque_int(blockIdx.x) * kBlockN + (warp_e % Tr::kKeyGroups) * Tr::kWarpKeys;
+    const int col0 = (warp_e / Tr::kKeyGroups) * (kHeadDim / 2);
     if (kFloatDkv) {
         const i64 rs = (i64)gridDim.y * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
-        const i64 base = (seq.k_flat * gridDim.y + head) * head_dim;
-        store_fragments<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seq.seqlen_k, col0, head_dim, softmax_scale, lane);
-        store_fragments<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seq.seqlen_k, col0, head_dim, 1.f, lane);
+        const i64 base = (((i64)batch_e * seqlen_k) * gridDim.y + head_e) * head_dim;
+        store_fragments<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seqlen_k, col0, head_dim, softmax_scale, lane_e);
+        store_fragments<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seqlen_k, col0, head_dim, 1.f, lane_e);
     } else {
-        u16* dk_seq = static_cast<u16*>(dk) + batch * dk_batch_stride + kv_head * dk_head_stride;
-        u16* dv_seq = static_cast<u16*>(dv) + batch * dv_batch_stride + kv_head * dv_head_stride;
-        store_fragments<T, false>(acc_dk, dk_seq, dk_row_stride, row0, seq.seqlen_k, col0, head_dim, softmax_scale, lane);
-        store_fragments<T, false>(acc_dv, dv_seq, dv_row_stride, row0, seq.seqlen_k, col0, head_dim, 1.f, lane);
+        const int kv_head_e = head_e / kv_group;
+        u16* dk_seq = static_cast<u16*>(dk) + batch_e * dk_batch_stride + kv_head_e * dk_head_stride;
+        u16* dv_seq = static_cast<u16*>(dv) + batch_e * dv_batch_stride + kv_head_e * dv_head_stride;
+        store_fragments<T, false>(acc_dk, dk_seq, dk_row_stride, row0, seqlen_k, col0, head_dim, softmax_scale, lane_e);
+        store_fragments<T, false>(acc_dv, dv_seq, dv_row_stride, row0, seqlen_k, col0, head_dim, 1.f, lane_e);
     }
 }

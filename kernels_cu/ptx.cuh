@@ -52,6 +52,13 @@ CF_DEVICE float fast_log2(float x) {
     asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+// The same value, opaque to the optimiser: what is computed from it is computed where it is used
+// instead of being kept live from an earlier identical computation.
+CF_DEVICE int opaque_int(int x) {
+    int y;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
 CF_DEVICE float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
 #define CF_INF __int_as_float(0x7f800000)

@@ -6,8 +6,9 @@ NaN read from the padding would poison the results. Every output is a view insid
 with a different NaN bit pattern: after the call every element of the view must be a finite result
 (proves it was written) and every element outside it must still hold the pattern bit for bit
 (proves nothing else was). The results must also equal, bit for bit, those of the same call on
-contiguous copies (the kernels are deterministic and strides do not change the arithmetic), and
-pass FA2's tolerance rule against the fp32 reference.
+contiguous copies (strides do not change the arithmetic; for the backward plans that add dQ with
+fp32 reductions in a varying order, equality is up to that order and FA2's rule is checked instead),
+and pass FA2's tolerance rule against the fp32 reference.
 """
 
 import zlib
@@ -126,6 +127,15 @@ def _padded_inputs(cp, arrays, layout):
     return padded, [p.fill_from(x) for p, x in zip(padded, arrays)]
 
 
+def _deterministic_plan(q, k, causal):
+    """Whether the default backward plan for these inputs is bit-reproducible (no dQ reductions)."""
+    from cuflash2 import config, launch
+
+    plan = config.backward_plan(q.shape[3], launch.SHORT_DTYPE[np.dtype(q.dtype).name], causal, launch.device_arch(0),
+                                gqa=q.shape[2] != k.shape[2])
+    return plan.dq is not None
+
+
 def _other(layout):
     return "bhsd" if layout == "bshd" else "bshd"
 
@@ -187,11 +197,14 @@ def test_backward_reads_and_writes_only_its_views(case):
     result = cuflash2.flash_attn_backward(dov, qv, kv, vv, outv, lse_p.view, causal=causal,
                                           dq=grads_p[0].view, dk=grads_p[1].view, dv=grads_p[2].view)
     cp.cuda.get_current_stream().synchronize()
+    bitwise = _deterministic_plan(q, k, causal)
     for name, r, g, e in zip(("dq", "dk", "dv"), result, grads_p, expected):
         assert r is g.view, f"{name}: the given array was not returned"
         assert not bool(cp.isnan(f32(cp, g.view)).any()), f"{name}: NaN (unwritten, or NaN read from padding)"
-        assert same_bits(cp, g.view, e), f"{name}: differs from the contiguous call"
+        assert not bitwise or same_bits(cp, g.view, e), f"{name}: differs from the contiguous call"
         assert g.outside_untouched(), f"{name}: written outside the view"
+    if not bitwise:
+        check_backward(cp, q, k, v, dout, [g.view for g in grads_p], causal)
     for p, b in zip(padded_in + [lse_p], before):
         assert bool((bits(cp, p.buffer) == b).all()), "an input buffer was modified"
 

@@ -308,3 +308,40 @@ def test_backward_smem_includes_dq_staging():
     expected = 2 * 128 * 128 * 2 + 2 * (2 * 32 * 128 * 2 + 2 * 32 * 4) + 128 * 32 * 2 + 2 * 32 * 128 * 4
     assert c.smem_bytes == expected
     assert c.smem_bytes <= smem_limit(90)
+
+
+def test_fused_backward_default_and_limits():
+    """The one-pass backward is the default only where it was measured faster (head dim 128 on
+    sm_90, plain, non-deterministic, not causal GQA), is available at head dim 64 on request, and is
+    refused with a clear error elsewhere."""
+    def main(**kw):
+        return config.backward_plan(**{"dtype": "bf16", "causal": False, "arch": 90, **kw}).main
+
+    for head_dim in (104, 128):
+        assert [c.kernel for c in main(head_dim=head_dim)] == [config.BWD_FUSED]
+        assert [c.kernel for c in main(head_dim=head_dim, causal=True)] == [config.BWD_FUSED]
+        assert [c.kernel for c in main(head_dim=head_dim, gqa=True)] == [config.BWD_FUSED]
+    assert main(head_dim=128, gqa=True)[0].flags == (True,)  # fp32 dK/dV, summed over the group later
+    # not the default: causal GQA at 128, head dim 64, deterministic, variant, sm_80, explicit plans
+    for kw in ({"causal": True, "gqa": True}, {"head_dim": 64}, {"deterministic": True}, {"variant": True},
+               {"arch": 80}, {"atomic_dq": True}, {"atomic_dq": False}, {"split": True}):
+        assert config.BWD_FUSED not in [c.kernel for c in main(**{"head_dim": 128, **kw})], kw
+    assert [c.kernel for c in main(head_dim=64, fused=True)] == [config.BWD_FUSED]
+    plan = config.backward_plan(128, "bf16", False, 90)
+    assert plan.dq is None and plan.main[0].accumulates_dq
+    for kw in ({"head_dim": 96}, {"head_dim": 256}, {"arch": 80}, {"variant": True}, {"deterministic": True},
+               {"causal": True, "gqa": True}):
+        with pytest.raises(ValueError, match="fused: the one-pass backward needs sm_90"):
+            main(**{"head_dim": 128, "fused": True, **kw})
+
+
+def test_fused_backward_smem_and_compile_list():
+    c = config.fused_backward_config(128, "fp16", True, False)
+    assert c.smem_bytes == 2 * 128 * 128 * 2 + 2 * (2 * 64 * 128 * 2 + 2 * 64 * 4) + 2 * 128 * 64 * 2 + 2 * 64 * 128 * 4
+    assert c.smem_bytes <= smem_limit(90)
+    assert c.short_id() == "bwd-fused-fp16-d128-causal-m64n128w8s2"
+    assert config.fused_backward_config(64, "bf16", False, True).short_id() == "bwd-fused-bf16-d64-full-m64n128w8s2-f32"
+    assert "flash_bwd_fused_kernel<Fp16, 128, 64, 128, 8, true, false>" == c.template_name()
+    fused = {c for c in config.all_backward_configs(90) if c.kernel == config.BWD_FUSED}
+    assert len(fused) == 2 * 2 * 2 * 2 - 2  # head dims x dtypes x causal x gqa, less causal GQA at 128
+    assert not any(c.kernel == config.BWD_FUSED for c in config.all_backward_configs(80))
