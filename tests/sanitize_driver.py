@@ -10,6 +10,7 @@ import numpy as np
 
 import cuflash2
 from cuflash2 import launch
+from cuflash2.config import fused_backward_supported, head_dim_bucket
 from cuflash2.interop import as_float32, describe
 from cuflash2.validate import validate_qkv
 
@@ -27,20 +28,28 @@ CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, causal, dtyp
     (1, 70, 130, 2, 1, 128, True, ml_dtypes.bfloat16),
     (1, 19, 33, 2, 2, 256, False, np.float16),
     (1, 33, 19, 2, 2, 192, True, ml_dtypes.bfloat16),
+    (1, 70, 130, 2, 2, 128, True, ml_dtypes.bfloat16),  # the fused one-pass backward (sm_90 default)
+    (2, 45, 77, 4, 2, 128, False, np.float16),
 ]
 
 for b, sq, sk, h, hk, d, causal, dtype in CASES:
     q, k, v, dout = arrays((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d), dtype=dtype)
     out, lse = cuflash2.flash_attn_forward(q, k, v, causal=causal)
     grads = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
-    # the fp32-atomic dQ variant of the main backward kernel
+    # the main backward kernel accumulating dQ itself (sm_90), and the fused kernel where it exists
     atomic = [cp.empty_like(x) for x in (q, k, v)]
     infos = [describe("x", x) for x in (q, k, v)]
     launch.backward(describe("dout", dout), *infos, describe("out", out), describe("lse", lse),
                     *(describe("g", g) for g in atomic), validate_qkv(*infos), causal, False, 0,
                     cp.cuda.get_current_stream(), atomic_dq=True)
+    fused = []
+    if fused_backward_supported(head_dim_bucket(d), launch.device_arch(0), causal=causal, gqa=h != hk):
+        fused = [cp.empty_like(x) for x in (q, k, v)]
+        launch.backward(describe("dout", dout), *infos, describe("out", out), describe("lse", lse),
+                        *(describe("g", g) for g in fused), validate_qkv(*infos), causal, False, 0,
+                        cp.cuda.get_current_stream(), fused=True)
     cp.cuda.get_current_stream().synchronize()
-    for g in (*grads, *atomic):
+    for g in (*grads, *atomic, *fused):
         assert bool(cp.isfinite(as_float32(cp, g)).all())
     print(f"ok b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} {np.dtype(dtype).name}", flush=True)
 
