@@ -22,7 +22,8 @@ ITERATIONS = 20
 
 # ------------------------------------------------------------------------------------------------
 # (a) two threads, each on its own non-blocking stream, forward + backward 20 times at once on
-# different inputs and configurations: results bit-identical to single-threaded ones
+# different inputs and configurations: results bit-identical to single-threaded ones (gradients of
+# the plans that add dQ with fp32 reductions in a varying order: within 2 units of the last place)
 # ------------------------------------------------------------------------------------------------
 
 # (dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, causal) per thread
@@ -32,6 +33,25 @@ THREAD_CONFIGS = [("bf16", 2, 517, 517, 8, 2, 64, True), ("fp16", 2, 333, 401, 4
 def _thread_inputs(cp, config, seed):
     dtype, b, sq, sk, h, hk, d, _ = config
     return random_inputs(cp, [(b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d)], dtype, seed)
+
+
+def _reproducible(config) -> bool:
+    """Whether the default backward plan for this thread configuration is bit-reproducible."""
+    from cuflash2 import config as cfg, launch
+
+    dtype, _, _, _, h, hk, d, causal = config
+    return cfg.backward_plan(d, dtype, causal, launch.device_arch(0), gqa=h != hk).dq is not None
+
+
+def _matches(xp, result, expected, config) -> bool:
+    """out and LSE bit for bit; gradients too, or within 2 ulps of 16-bit floats (2^-7 relative)
+    where the plan's dQ reductions run in a varying order. A stream or buffer mix-up is far larger."""
+    if _reproducible(config):
+        return all(same_bits(xp, a, b) for a, b in zip(result, expected))
+    exact = all(same_bits(xp, a, b) for a, b in zip(result[:2], expected[:2]))
+    grads = zip(result[2:], expected[2:])
+    return exact and all(bool((abs(a.astype(xp.float32) - b.astype(xp.float32)) <=
+                               abs(b.astype(xp.float32)) * 2**-7 + 1e-6).all()) for a, b in grads)
 
 
 def _fwd_bwd(cuflash2, q, k, v, dout, causal):
@@ -61,11 +81,20 @@ def test_threads_on_own_streams_match_single_threaded_results():
                 results.append(_fwd_bwd(cuflash2, *inputs[t][it % 2], THREAD_CONFIGS[t][-1]))
             stream.synchronize()
             return [it for it, r in enumerate(results)
-                    if not all(same_bits(cp, a, b) for a, b in zip(r, expected[t][it % 2]))]
+                    if not _matches(cp, r, expected[t][it % 2], THREAD_CONFIGS[t])]
 
     with concurrent.futures.ThreadPoolExecutor(len(THREAD_CONFIGS)) as pool:
         mismatches = list(pool.map(work, range(len(THREAD_CONFIGS))))
     assert mismatches == [[]] * len(THREAD_CONFIGS), f"iterations differing from single-threaded runs: {mismatches}"
+
+
+def _torch_matches(torch, result, expected, config) -> bool:
+    """As _matches, for (out, dq, dk, dv) torch tensors."""
+    if _reproducible(config):
+        return all(torch.equal(a, b) for a, b in zip(result, expected))
+    return torch.equal(result[0], expected[0]) and all(
+        bool(((a.float() - b.float()).abs() <= b.float().abs() * 2**-7 + 1e-6).all())
+        for a, b in zip(result[1:], expected[1:]))
 
 
 def test_torch_threads_on_own_streams_match_single_threaded_results():
@@ -95,7 +124,7 @@ def test_torch_threads_on_own_streams_match_single_threaded_results():
             barrier.wait()
             results = [run(*inputs[t], THREAD_CONFIGS[t][-1]) for _ in range(ITERATIONS)]
         stream.synchronize()
-        return [it for it, r in enumerate(results) if not all(torch.equal(a, b) for a, b in zip(r, expected[t]))]
+        return [it for it, r in enumerate(results) if not _torch_matches(torch, r, expected[t], THREAD_CONFIGS[t])]
 
     with concurrent.futures.ThreadPoolExecutor(len(THREAD_CONFIGS)) as pool:
         mismatches = list(pool.map(work, range(len(THREAD_CONFIGS))))
