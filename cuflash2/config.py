@@ -311,8 +311,8 @@ def fused_backward_supported(bucket: int, arch: int, variant: bool = False, dete
             and not (bucket == 128 and causal and gqa))
 
 
-def fused_backward_config(bucket: int, dtype: str, causal: bool, gqa: bool) -> KernelConfig:
-    return KernelConfig(BWD_FUSED, dtype, bucket, 64, 128, 8, 2, causal, (gqa,))
+def fused_backward_config(bucket: int, dtype: str, causal: bool, gqa: bool, block_m: int = 64) -> KernelConfig:
+    return KernelConfig(BWD_FUSED, dtype, bucket, block_m, 128, 8, 2, causal, (gqa,))
 
 
 def backward_plan_options(arch: int) -> list[dict]:
@@ -336,7 +336,8 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
     sm_90 only) instead of running the dQ kernel, which recomputes S and dP but is deterministic.
     Off by default: on the H200 both plans measure within about +-6% of each other (BENCHMARKS.md).
     variant: the kernels with varlen / window / softcap / ALiBi support.
-    tile: (block_m, warps, stages) of the main kernel producing dK (tuning only).
+    tile: (block_m, warps, stages) of the main kernel producing dK (tuning only; the fused kernel
+    takes block_m only).
     fused: one kernel for dK, dV and dQ in FA2's warp layout (where fused_backward_supported).
     """
     _check_dtype(dtype)
@@ -353,7 +354,7 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
                          f"causal={causal}, gqa={bool(gqa)}")
     if fused:
         return BackwardPlan(KernelConfig(BWD_DOT, dtype, bucket, warps=8),
-                            (fused_backward_config(bucket, dtype, causal, bool(gqa)),), None,
+                            (fused_backward_config(bucket, dtype, causal, bool(gqa), *(tile or (64,))[:1]),), None,
                             KernelConfig(BWD_CONVERT, dtype, warps=8))
     if deterministic and atomic_dq:
         raise ValueError("atomic_dq: fp32 atomics cannot be deterministic")
