@@ -296,9 +296,10 @@ _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 
 
 FUSED_BWD_HEAD_DIMS = (64, 128)  # buckets whose dQ split and registers fit the fused kernel's layout
-# Where the fused kernel is the default: head dim 128 measured 1.1-1.26x the two-kernel plan on the
-# H200 (seqlen 1k-4k, BENCHMARKS.md); at head dim 64 both are within a few percent, and the
-# two-kernel plan is deterministic.
+# Head dims where the fused kernel is the default: 128 measured 1.1-1.26x the two-kernel plan on the
+# H200 (seqlen 1k-4k, BENCHMARKS.md); at 64 both are within a few percent, and the two-kernel plan is
+# deterministic. Head dims 104-120 (padded columns in the 128 bucket) have only been compiled, not
+# run on a GPU, so they keep the two-kernel plan until they are.
 FUSED_BWD_DEFAULT_HEAD_DIMS = (128,)
 
 
@@ -345,7 +346,7 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
     causal, variant = bool(causal), bool(variant)
     supported = fused_backward_supported(bucket, arch, variant, deterministic, causal, bool(gqa))
     if fused is None:  # the default: where measured faster, unless the caller chose a plan
-        fused = (supported and bucket in FUSED_BWD_DEFAULT_HEAD_DIMS and atomic_dq is None and split is None
+        fused = (supported and head_dim in FUSED_BWD_DEFAULT_HEAD_DIMS and atomic_dq is None and split is None
                  and tile is None)
     if fused and not supported:
         raise ValueError(f"fused: the one-pass backward needs sm_90, plain attention, non-deterministic mode, a "

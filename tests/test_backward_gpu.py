@@ -6,7 +6,7 @@ import pytest
 from attention_ref import attention_backward_ref
 from test_forward_gpu import HEAD_DIMS, SEQLENS, make_inputs
 
-from cuflash2.config import fused_backward_supported
+from cuflash2.config import fused_backward_supported, head_dim_bucket
 from cuflash2.interop import as_float32
 
 pytestmark = pytest.mark.gpu
@@ -113,7 +113,7 @@ def test_noncontiguous_dout_and_given_outputs():
 
 
 _SM90_PLANS = [pytest.param({"atomic_dq": True}, hd, id=f"atomic-{hd}") for hd in (64, 96, 128, 256)] + [
-    pytest.param({"fused": True}, hd, id=f"fused-{hd}") for hd in (64, 128)]
+    pytest.param({"fused": True}, hd, id=f"fused-{hd}") for hd in (40, 64, 120, 128)]
 
 
 @pytest.mark.parametrize("seqlens", [(211, 157), (64, 300)])
@@ -132,7 +132,8 @@ def test_sm90_dq_plans_match_reference(plan, head_dim, heads_kv, causal, seqlens
 
     if launch.device_arch(0) < 90:
         pytest.skip("bulk reductions need sm_90")
-    if plan.get("fused") and not fused_backward_supported(head_dim, 90, causal=causal, gqa=heads_kv != 4):
+    if plan.get("fused") and not fused_backward_supported(head_dim_bucket(head_dim), 90, causal=causal,
+                                                          gqa=heads_kv != 4):
         pytest.skip("no fused instantiation for causal GQA at head dim 128 (the planner refuses it)")
     seqlen_q, seqlen_k = seqlens
     q, k, v = make_inputs(cp, 2, seqlen_q, seqlen_k, 4, heads_kv, head_dim, "bf16", head_dim)
