@@ -355,7 +355,7 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
                          f"causal={causal}, gqa={bool(gqa)}")
     if fused:
         return BackwardPlan(KernelConfig(BWD_DOT, dtype, bucket, warps=8),
-                            (fused_backward_config(bucket, dtype, causal, bool(gqa), *(tile or (64,))[:1]),), None,
+                            (fused_backward_config(bucket, dtype, causal, bool(gqa), tile[0] if tile else 64),), None,
                             KernelConfig(BWD_CONVERT, dtype, warps=8))
     if deterministic and atomic_dq:
         raise ValueError("atomic_dq: fp32 atomics cannot be deterministic")

@@ -14,6 +14,7 @@
 #include "variant.cuh"
 #include "warp_gemm.cuh"
 #include "dq_staging.cuh"
+#include "bwd_common.cuh"
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kDq>
 struct BwdTraits {
@@ -39,45 +40,10 @@ struct BwdTraits {
     static_assert(kStages >= 1 && kStages <= 2, "one or two Q/dO stages");
 };
 
-// Stores one warp's fp32 accumulator rows (16 keys x kHeadDim) as T (with strides) or as fp32
-// into a contiguous (batch, seqlen_k, nheads, head_dim) buffer (GQA: summed later).
-template <class T, bool kFloatOut, int kDTiles>
-CF_DEVICE void store_key_rows(const float (&acc)[1][kDTiles][4], void* out, i64 row_stride, int row0, int valid_rows,
-                              int head_dim, float scale, int lane) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + lane / 4 + 8 * r;
-        if (row >= valid_rows) continue;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-            const int col = dt * 8 + (lane % 4) * 2;
-            if (col >= head_dim) continue;
-            const float x = acc[0][dt][2 * r] * scale, y = acc[0][dt][2 * r + 1] * scale;
-            if (kFloatOut) {
-                float* p = static_cast<float*>(out) + row * row_stride + col;
-                p[0] = x;
-                p[1] = y;
-            } else {
-                *reinterpret_cast<u32*>(static_cast<u16*>(out) + row * row_stride + col) = T::pack(x, y);
-            }
-        }
-    }
-}
-
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal, bool kVariant,
           bool kDv, bool kDk, bool kDq, bool kFloatDkv>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
-flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                 const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                 float* __restrict__ dq_accum, void* __restrict__ dk, void* __restrict__ dv,
-                 i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
-                 i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
-                 i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
-                 i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
-                 i64 dk_batch_stride, i64 dk_row_stride, i64 dk_head_stride,
-                 i64 dv_batch_stride, i64 dv_row_stride, i64 dv_head_stride,
-                 int seqlen_q, int seqlen_k, int head_dim, int kv_group, float scale_log2, float softmax_scale,
-                 CF_VARIANT_PARAMS) {
+flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
     using Tr = BwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kDq>;
     static_assert(kDv || kDk, "a launch must produce dV or dK");
     extern __shared__ __align__(128) char smem[];
@@ -271,12 +237,12 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     if (kFloatDkv) {
         const i64 rs = (i64)gridDim.y * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
         const i64 base = (seq.k_flat * gridDim.y + head) * head_dim;
-        if (kDk) store_key_rows<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seq.seqlen_k, head_dim, softmax_scale, lane);
-        if (kDv) store_key_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seq.seqlen_k, head_dim, dv_scale, lane);
+        if (kDk) store_fragment_rows<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seq.seqlen_k, 0, head_dim, softmax_scale, lane);
+        if (kDv) store_fragment_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seq.seqlen_k, 0, head_dim, dv_scale, lane);
     } else {
         u16* dk_seq = static_cast<u16*>(dk) + batch * dk_batch_stride + kv_head * dk_head_stride + (i64)seq.k_start * dk_row_stride;
         u16* dv_seq = static_cast<u16*>(dv) + batch * dv_batch_stride + kv_head * dv_head_stride + (i64)seq.k_start * dv_row_stride;
-        if (kDk) store_key_rows<T, false>(acc_dk, dk_seq, dk_row_stride, row0, seq.seqlen_k, head_dim, softmax_scale, lane);
-        if (kDv) store_key_rows<T, false>(acc_dv, dv_seq, dv_row_stride, row0, seq.seqlen_k, head_dim, dv_scale, lane);
+        if (kDk) store_fragment_rows<T, false>(acc_dk, dk_seq, dk_row_stride, row0, seq.seqlen_k, 0, head_dim, softmax_scale, lane);
+        if (kDv) store_fragment_rows<T, false>(acc_dv, dv_seq, dv_row_stride, row0, seq.seqlen_k, 0, head_dim, dv_scale, lane);
     }
 }

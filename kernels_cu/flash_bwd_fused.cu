@@ -17,6 +17,7 @@
 #include "variant.cuh"
 #include "warp_gemm.cuh"
 #include "dq_staging.cuh"
+#include "bwd_common.cuh"
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
 struct FusedBwdTraits {
@@ -39,44 +40,9 @@ struct FusedBwdTraits {
                   "tile shape");
 };
 
-// Rows (row0 + mt * 16 + lane / 4 (+8)) x columns (col0 + nt * 8 + 2 * (lane % 4)) of a 2 x kTiles
-// fragment block, scaled, stored as T (16-bit, with row stride) or as fp32.
-template <class T, bool kFloatOut, int kTiles>
-CF_DEVICE void store_fragments(const float (&acc)[2][kTiles][4], void* out, i64 row_stride, int row0, int valid_rows,
-                               int col0, int head_dim, float scale, int lane) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = row0 + mt * 16 + lane / 4 + 8 * r;
-            if (row >= valid_rows) continue;
-#pragma unroll
-            for (int nt = 0; nt < kTiles; ++nt) {
-                const int col = col0 + nt * 8 + (lane % 4) * 2;
-                if (col >= head_dim) continue;
-                const float x = acc[mt][nt][2 * r] * scale, y = acc[mt][nt][2 * r + 1] * scale;
-                if (kFloatOut) {
-                    *reinterpret_cast<float2*>(static_cast<float*>(out) + row * row_stride + col) = make_float2(x, y);
-                } else {
-                    *reinterpret_cast<u32*>(static_cast<u16*>(out) + row * row_stride + col) = T::pack(x, y);
-                }
-            }
-        }
-}
-
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kCausal, bool kFloatDkv>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
-flash_bwd_fused_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                       const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                       float* __restrict__ dq_accum, void* __restrict__ dk, void* __restrict__ dv,
-                       i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
-                       i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
-                       i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
-                       i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
-                       i64 dk_batch_stride, i64 dk_row_stride, i64 dk_head_stride,
-                       i64 dv_batch_stride, i64 dv_row_stride, i64 dv_head_stride,
-                       int seqlen_q, int seqlen_k, int head_dim, int kv_group, float scale_log2, float softmax_scale,
-                       CF_VARIANT_PARAMS) {
+flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     using Tr = FusedBwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps>;
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -246,13 +212,13 @@ flash_bwd_fused_kernel(const u16* __restrict__ q, const u16* __restrict__ k, con
     if (kFloatDkv) {
         const i64 rs = (i64)gridDim.y * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
         const i64 base = (((i64)batch_e * seqlen_k) * gridDim.y + head_e) * head_dim;
-        store_fragments<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seqlen_k, col0, head_dim, softmax_scale, lane_e);
-        store_fragments<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seqlen_k, col0, head_dim, 1.f, lane_e);
+        store_fragment_rows<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seqlen_k, col0, head_dim, softmax_scale, lane_e);
+        store_fragment_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seqlen_k, col0, head_dim, 1.f, lane_e);
     } else {
         const int kv_head_e = head_e / kv_group;
         u16* dk_seq = static_cast<u16*>(dk) + batch_e * dk_batch_stride + kv_head_e * dk_head_stride;
         u16* dv_seq = static_cast<u16*>(dv) + batch_e * dv_batch_stride + kv_head_e * dv_head_stride;
-        store_fragments<T, false>(acc_dk, dk_seq, dk_row_stride, row0, seqlen_k, col0, head_dim, softmax_scale, lane_e);
-        store_fragments<T, false>(acc_dv, dv_seq, dv_row_stride, row0, seqlen_k, col0, head_dim, 1.f, lane_e);
+        store_fragment_rows<T, false>(acc_dk, dk_seq, dk_row_stride, row0, seqlen_k, col0, head_dim, softmax_scale, lane_e);
+        store_fragment_rows<T, false>(acc_dv, dv_seq, dv_row_stride, row0, seqlen_k, col0, head_dim, 1.f, lane_e);
     }
 }

@@ -221,3 +221,12 @@ def fill_normal(cp, x, seed, scale=1.0, chunk=1 << 27):
         del values
     return x
 
+
+
+def backward_is_reproducible(dtype: str, head_dim: int, nheads: int, nheads_kv: int, causal: bool) -> bool:
+    """Whether the default backward plan on GPU 0 gives bit-identical gradients run to run: true
+    unless the main kernel adds dQ with fp32 reductions in a varying order (the sm_90 fused plan)."""
+    from cuflash2 import config, launch
+
+    plan = config.backward_plan(head_dim, launch.SHORT_DTYPE.get(dtype, dtype), causal, launch.device_arch(0), gqa=nheads != nheads_kv)
+    return plan.dq is not None

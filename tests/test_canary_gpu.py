@@ -16,6 +16,7 @@ import zlib
 import numpy as np
 import pytest
 from reliability_helpers import (
+    backward_is_reproducible,
     bits,
     check_backward,
     check_forward,
@@ -127,15 +128,6 @@ def _padded_inputs(cp, arrays, layout):
     return padded, [p.fill_from(x) for p, x in zip(padded, arrays)]
 
 
-def _deterministic_plan(q, k, causal):
-    """Whether the default backward plan for these inputs is bit-reproducible (no dQ reductions)."""
-    from cuflash2 import config, launch
-
-    plan = config.backward_plan(q.shape[3], launch.SHORT_DTYPE[np.dtype(q.dtype).name], causal, launch.device_arch(0),
-                                gqa=q.shape[2] != k.shape[2])
-    return plan.dq is not None
-
-
 def _other(layout):
     return "bhsd" if layout == "bshd" else "bshd"
 
@@ -197,7 +189,7 @@ def test_backward_reads_and_writes_only_its_views(case):
     result = cuflash2.flash_attn_backward(dov, qv, kv, vv, outv, lse_p.view, causal=causal,
                                           dq=grads_p[0].view, dk=grads_p[1].view, dv=grads_p[2].view)
     cp.cuda.get_current_stream().synchronize()
-    bitwise = _deterministic_plan(q, k, causal)
+    bitwise = backward_is_reproducible(np.dtype(q.dtype).name, q.shape[3], q.shape[2], k.shape[2], causal)
     for name, r, g, e in zip(("dq", "dk", "dv"), result, grads_p, expected):
         assert r is g.view, f"{name}: the given array was not returned"
         assert not bool(cp.isnan(f32(cp, g.view)).any()), f"{name}: NaN (unwritten, or NaN read from padding)"

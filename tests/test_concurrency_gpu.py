@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 import pytest
-from reliability_helpers import check_backward, check_forward, random_inputs, same_bits
+from reliability_helpers import backward_is_reproducible, check_backward, check_forward, random_inputs, same_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -36,11 +36,8 @@ def _thread_inputs(cp, config, seed):
 
 
 def _reproducible(config) -> bool:
-    """Whether the default backward plan for this thread configuration is bit-reproducible."""
-    from cuflash2 import config as cfg, launch
-
     dtype, _, _, _, h, hk, d, causal = config
-    return cfg.backward_plan(d, dtype, causal, launch.device_arch(0), gqa=h != hk).dq is not None
+    return backward_is_reproducible(dtype, d, h, hk, causal)
 
 
 def _matches(xp, result, expected, config) -> bool:

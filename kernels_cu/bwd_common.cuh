@@ -1,0 +1,42 @@
+// Shared by the two dK/dV backward kernels (flash_bwd.cu, flash_bwd_fused.cu): their argument list
+// (the host launches either with the same arguments) and the store of dK/dV accumulator rows.
+#pragma once
+#include "ptx.cuh"
+#include "variant.cuh"
+
+#define CF_BWD_MAIN_PARAMS                                                                                   \
+    const u16 *__restrict__ q, const u16 *__restrict__ k, const u16 *__restrict__ v,                        \
+        const u16 *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ delta,       \
+        float *__restrict__ dq_accum, void *__restrict__ dk, void *__restrict__ dv, i64 q_batch_stride,     \
+        i64 q_row_stride, i64 q_head_stride, i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,       \
+        i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride, i64 do_batch_stride, i64 do_row_stride,    \
+        i64 do_head_stride, i64 dk_batch_stride, i64 dk_row_stride, i64 dk_head_stride, i64 dv_batch_stride, \
+        i64 dv_row_stride, i64 dv_head_stride, int seqlen_q, int seqlen_k, int head_dim, int kv_group,     \
+        float scale_log2, float softmax_scale, CF_VARIANT_PARAMS
+
+// Rows (row0 + mt * 16 + lane / 4 (+8)) x columns (col0 + nt * 8 + 2 * (lane % 4)) of a kMT x kTiles
+// block of MMA accumulator fragments, scaled, stored as T (16-bit, with row stride) or as fp32 (GQA:
+// a contiguous (batch, seqlen_k, nheads, head_dim) buffer summed over each group later). Rows past
+// valid_rows and columns past head_dim are not stored.
+template <class T, bool kFloatOut, int kMT, int kTiles>
+CF_DEVICE void store_fragment_rows(const float (&acc)[kMT][kTiles][4], void* out, i64 row_stride, int row0,
+                                   int valid_rows, int col0, int head_dim, float scale, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + mt * 16 + lane / 4 + 8 * r;
+            if (row >= valid_rows) continue;
+#pragma unroll
+            for (int nt = 0; nt < kTiles; ++nt) {
+                const int col = col0 + nt * 8 + (lane % 4) * 2;
+                if (col >= head_dim) continue;
+                const float x = acc[mt][nt][2 * r] * scale, y = acc[mt][nt][2 * r + 1] * scale;
+                if (kFloatOut) {
+                    *reinterpret_cast<float2*>(static_cast<float*>(out) + row * row_stride + col) = make_float2(x, y);
+                } else {
+                    *reinterpret_cast<u32*>(static_cast<u16*>(out) + row * row_stride + col) = T::pack(x, y);
+                }
+            }
+        }
+}
