@@ -24,10 +24,17 @@ import math
 import numpy as np
 
 from . import interop, launch, reference
-from .api import gpu_features, numpy_alibi
-from .config import kvcache_config, kvcache_helper_configs
-from .features import Features, check_softcap, check_window
-from .validate import AttentionShape, TensorInfo, expect, validate_qkv
+from .api import numpy_alibi
+from .config import KernelConfig, kvcache_config, kvcache_helper_configs
+from .features import Features, check_alibi, check_softcap, check_window
+from .validate import (
+    AttentionShape,
+    TensorInfo,
+    check_alignment,
+    expect,
+    softmax_scale_or_default,
+    validate_qkv,
+)
 
 _THREADS = 256
 _MAX_SPLITS = 128
@@ -174,90 +181,176 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
+# A decoding loop makes the same call every step with new buffers. Everything but the buffer
+# addresses (validation, tile and split choice, the launches' argument lists) is therefore worked
+# out once per call signature and kept as a _Plan whose arguments hold symbolic addresses; a step
+# then costs the descriptions of its inputs, the output allocations and the launches.
 
-def _i32(cp, call, name, x, batch):
-    """(array, info) of an optional int32 (batch,) argument; an int becomes a device array."""
-    if x is None:
-        return None, None
-    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-        x = cp.full((batch,), int(x), dtype=np.int32)
-        return x, interop.describe(name, x)
-    return x, call.tensor(name, x)
+# Buffers a plan refers to. At plan time each one's data_ptr is _SYMBOLIC + 16 * slot, an address
+# no real allocation has, so the pointer arguments can be found in the argument lists by value.
+_BUFFERS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
+            "block_table", "alibi_slopes", "rotary_cos", "rotary_sin", "out", "lse", "q_rot", "o_partial",
+            "lse_partial")
+_SLOT = {name: slot for slot, name in enumerate(_BUFFERS)}
+_SYMBOLIC = 1 << 60
+_MAX_PLANS = 256
+
+
+def _symbolic(name: str, info: TensorInfo | None) -> TensorInfo | None:
+    return None if info is None else dataclasses.replace(info, data_ptr=_SYMBOLIC + 16 * _SLOT[name])
+
+
+def _contiguous(name: str, shape: tuple, dtype: str, itemsize: int) -> TensorInfo:
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return _symbolic(name, TensorInfo(tuple(shape), strides, dtype, "", 0, itemsize))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """One kernel launch of a plan; `pointer_slots` are (argument index, buffer name)."""
+
+    config: KernelConfig
+    grid: tuple
+    args: tuple
+    pointer_slots: tuple
+
+    @staticmethod
+    def of(config: KernelConfig, grid: tuple, args: tuple) -> _Launch:
+        slots = tuple((i, _BUFFERS[(int(a) - _SYMBOLIC) // 16]) for i, a in enumerate(args)
+                      if type(a) is np.uint64 and int(a) >= _SYMBOLIC)
+        return _Launch(config, grid, tuple(args), slots)
+
+    def run(self, call, pointers: dict) -> None:
+        args = list(self.args)
+        for index, name in self.pointer_slots:
+            args[index] = np.uint64(pointers[name])
+        launch._launch(self.config, call.device_id, call.stream, self.grid, args)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    cache: _Cache
+    launches: tuple[_Launch, ...]
+    rotate_q: bool  # q is rotated into a scratch copy first
+    partial_rows: int  # split-KV partial result rows (0: no split)
+
+
+_plans: dict = {}
 
 
 def _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                  cache_leftpad, block_table, softmax_scale, causal, window, softcap, interleaved, alibi_slopes,
                  num_splits, return_softmax_lse):
     cp = interop.import_cupy()
-    q_i = call.tensor("q", q)
-    kc_i, vc_i = call.output("k_cache", k_cache), call.output("v_cache", v_cache)  # written in place
-    k_i = call.tensor("k", k) if k is not None else None
-    v_i = call.tensor("v", v) if v is not None else None
-    batch = q_i.shape[0] if len(q_i.shape) == 4 else 0
-    _, seqlens_i = _i32(cp, call, "cache_seqlens", cache_seqlens, batch)
-    _, batch_idx_i = _i32(cp, call, "cache_batch_idx", cache_batch_idx, batch)
-    _, leftpad_i = _i32(cp, call, "cache_leftpad", cache_leftpad, batch)
-    table_i = call.tensor("block_table", block_table) if block_table is not None else None
-    cos_a = sin_a = None
-    if rotary_cos is not None and rotary_sin is not None:  # fp32 copies for the kernel
-        cos_a, sin_a = (call.to_cupy(n, x) for n, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)))
-    cos_i = interop.describe("rotary_cos", cos_a) if cos_a is not None else (
-        call.tensor("rotary_cos", rotary_cos) if rotary_cos is not None else None)
-    sin_i = interop.describe("rotary_sin", sin_a) if sin_a is not None else (
-        call.tensor("rotary_sin", rotary_sin) if rotary_sin is not None else None)
-    cache = validate_kvcache(q_i, kc_i, vc_i, k_i, v_i, cos_i, sin_i, seqlens_i, batch_idx_i, leftpad_i, table_i,
-                             softmax_scale)
-    shape = cache.shape
-    features = gpu_features(call, shape, q_i.device, window, softcap, alibi_slopes)
-    out, out_i = call.empty(q_i.shape, shape.dtype, like=q)
+    infos, keep = _describe_inputs(call, cp, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
+    if softmax_scale is not None and type(softmax_scale) is not float:
+        softmax_scale = softmax_scale_or_default(softmax_scale, 1)  # a hashable float (or a clear error)
+    key = (call.device_id, tuple(None if i is None else (i.shape, i.strides, i.dtype, i.device) for i in infos.values()),
+           softmax_scale, causal, window, softcap, interleaved, num_splits)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(call.device_id, infos, softmax_scale, causal, window, softcap, interleaved, num_splits)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    for name in ("q", "k_cache", "v_cache"):  # addresses change per call; shapes and strides were checked
+        check_alignment(name, infos[name])
+    cache = plan.cache
+    out, out_i = call.empty(infos["q"].shape, cache.shape.dtype, like=q)
     lse, lse_i = call.empty((cache.batch, cache.nheads, cache.seqlen_q), "float32")
-    if cache.batch == 0 or cache.seqlen_q == 0:
-        return (call.result(out), call.result(lse)) if return_softmax_lse else call.result(out)
-    dtype = launch.SHORT_DTYPE[shape.dtype]
-    rotary, combine = kvcache_helper_configs(dtype)
-    cos32 = sin32 = None
-    if cos_a is not None:
-        cos32, sin32 = (cp.ascontiguousarray(interop.as_float32(cp, x)) for x in (cos_a, sin_a))
-    keep = [cos32, sin32]
-
-    seqlens_before = seqlens_i
-    if seqlens_before is None:  # no lengths: every sequence fills the cache
-        full = cp.full((cache.batch,), cache.cache_rows, dtype=np.int32)
-        keep.append(full)
-        seqlens_before = interop.describe("cache_seqlens", full)
-    seqlens_after = seqlens_before
-    if k_i is not None:
-        for src, dst, rotate in ((k_i, kc_i, True), (v_i, vc_i, False)):
-            _rotary_copy(call, rotary, src, dst, cache, seqlens_before, leftpad_i, batch_idx_i, table_i,
-                         to_cache=True, cos=cos32 if rotate else None, sin=sin32, interleaved=interleaved,
-                         positions_per_row=True)
-        after = cp.asarray(_device_array(cp, seqlens_before)) + np.int32(cache.seqlen_new)
-        keep.append(after)
-        seqlens_after = interop.describe("cache_seqlens", after)
-    q_used = q_i
-    if cos32 is not None:  # rotated copy of q
-        q_rot, q_used = call.empty(q_i.shape, shape.dtype, like=q)
+    pointers = {name: info.data_ptr for name, info in infos.items() if info is not None}
+    pointers["out"], pointers["lse"] = out_i.data_ptr, lse_i.data_ptr
+    if plan.rotate_q:
+        q_rot, q_rot_i = call.empty(infos["q"].shape, cache.shape.dtype, like=q)
         keep.append(q_rot)
-        per_row = causal or window != (-1, -1)
-        _rotary_copy(call, rotary, q_i, q_used, cache, seqlens_before, leftpad_i, None, None, to_cache=False,
-                     cos=cos32, sin=sin32, interleaved=interleaved, positions_per_row=per_row)
-    _attention(call, q_used, kc_i, vc_i, out_i, lse_i, shape, cache, seqlens_after, batch_idx_i, leftpad_i, table_i,
-               causal, features, num_splits, combine, keep)
+        pointers["q_rot"] = q_rot_i.data_ptr
+    if plan.partial_rows:  # one fp32 scratch: partial outputs, then their LSEs
+        partial = cp.empty(plan.partial_rows * (cache.head_dim + 1), dtype=np.float32)
+        keep.append(partial)
+        pointers["o_partial"] = partial.data.ptr
+        pointers["lse_partial"] = partial.data.ptr + plan.partial_rows * cache.head_dim * 4
+    for step in plan.launches:
+        step.run(call, pointers)
     del keep  # stream-ordered: the scratch is reused only by work queued after this point
     return (call.result(out), call.result(lse)) if return_softmax_lse else call.result(out)
 
 
-@functools.lru_cache(maxsize=None)
+def _describe_inputs(call, cp, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                     cache_leftpad, block_table, alibi_slopes) -> tuple[dict, list]:
+    """({buffer name: TensorInfo or None}, arrays to keep alive). The caches are outputs (written in
+    place, never copied); rotary tables are described as given but point at fp32 copies."""
+    infos = {"q": call.tensor("q", q), "k_cache": call.output("k_cache", k_cache),
+             "v_cache": call.output("v_cache", v_cache),
+             "k": call.tensor("k", k) if k is not None else None,
+             "v": call.tensor("v", v) if v is not None else None}
+    keep = []
+    batch = infos["q"].shape[0] if len(infos["q"].shape) == 4 else 0
+    for name, x in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                    ("cache_leftpad", cache_leftpad)):
+        if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+            x = cp.full((batch,), int(x), dtype=np.int32)
+            keep.append(x)
+            infos[name] = interop.describe(name, x)
+        else:
+            infos[name] = call.tensor(name, x) if x is not None else None
+    infos["block_table"] = call.tensor("block_table", block_table) if block_table is not None else None
+    infos["alibi_slopes"] = call.tensor("alibi_slopes", alibi_slopes) if alibi_slopes is not None else None
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        infos[name] = None
+        if x is not None:
+            given = call.to_cupy(name, x)
+            fp32 = cp.ascontiguousarray(interop.as_float32(cp, given))
+            keep.append(fp32)
+            infos[name] = dataclasses.replace(interop.describe(name, given), data_ptr=fp32.data.ptr)
+    if infos["rotary_cos"] is not None and infos["cache_seqlens"] is None:
+        # q's rotary position is the cache length: without lengths every sequence fills the cache
+        rows = infos["k_cache"].shape[1] if len(infos["k_cache"].shape) == 4 else 0
+        if block_table is not None and len(infos["block_table"].shape) == 2:
+            rows *= infos["block_table"].shape[1]
+        full = cp.full((batch,), rows, dtype=np.int32)
+        keep.append(full)
+        infos["cache_seqlens"] = interop.describe("cache_seqlens", full)
+    return infos, keep
+
+
+def _make_plan(device_id: int, infos: dict, softmax_scale, causal, window, softcap, interleaved, num_splits) -> _Plan:
+    """Validate a call signature and lay out its launches (pointers symbolic)."""
+    sym = {name: _symbolic(name, info) for name, info in infos.items()}
+    cache = validate_kvcache(sym["q"], sym["k_cache"], sym["v_cache"], sym["k"], sym["v"], sym["rotary_cos"],
+                             sym["rotary_sin"], sym["cache_seqlens"], sym["cache_batch_idx"], sym["cache_leftpad"],
+                             sym["block_table"], softmax_scale, check_pointers=False)
+    shape = cache.shape
+    if sym["alibi_slopes"] is not None:
+        check_alibi(sym["alibi_slopes"], shape.batch, shape.nheads, sym["q"].device)
+    features = Features(window[0], window[1], softcap, sym["alibi_slopes"])
+    if cache.batch == 0 or cache.seqlen_q == 0:
+        return _Plan(cache, (), False, 0)
+    dtype = launch.SHORT_DTYPE[shape.dtype]
+    rotary, combine = kvcache_helper_configs(dtype)
+    out = _contiguous("out", sym["q"].shape, shape.dtype, sym["q"].itemsize)
+    launches = []
+    if sym["k"] is not None:
+        for src, dst, rotate in (("k", "k_cache", True), ("v", "v_cache", False)):
+            launches += _rotary_copy(rotary, sym[src], sym[dst], cache, sym, to_cache=True, rotate=rotate,
+                                     interleaved=interleaved, positions_per_row=True)
+    q_used = sym["q"]
+    rotate_q = sym["rotary_cos"] is not None
+    if rotate_q:
+        q_used = dataclasses.replace(out, data_ptr=_symbolic("q_rot", out).data_ptr)
+        per_row = causal or window != (-1, -1)
+        launches += _rotary_copy(rotary, sym["q"], q_used, cache, dict(sym, cache_batch_idx=None, block_table=None),
+                                 to_cache=False, rotate=True, interleaved=interleaved, positions_per_row=per_row)
+    lse = _contiguous("lse", (cache.batch, cache.nheads, cache.seqlen_q), "float32", 4)
+    attention, partial_rows = _attention(device_id, q_used, out, lse, cache, sym, causal, features, num_splits, combine)
+    return _Plan(cache, tuple(launches + attention), rotate_q, partial_rows)
+
+
+@functools.cache
 def _sm_count(device_id: int) -> int:
     """Streaming multiprocessors (cached: reading device attributes costs far more than a launch)."""
     cp = interop.import_cupy()
     return cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
-
-
-def _device_array(cp, info: TensorInfo):
-    memory = cp.cuda.UnownedMemory(info.data_ptr, info.shape[0] * 4, owner=None)
-    return cp.ndarray(info.shape, dtype=np.int32, memptr=cp.cuda.MemoryPointer(memory, 0),
-                      strides=tuple(s * 4 for s in info.strides))
 
 
 def _ptr(info):
@@ -268,25 +361,26 @@ def _strides3(info: TensorInfo):
     return [np.int64(s) for s in info.strides[:3]]
 
 
-def _rotary_copy(call, config, src, dst, cache: _Cache, seqlens, leftpad, batch_idx, table, *, to_cache, cos, sin,
-                 interleaved, positions_per_row):
+def _rotary_copy(config, src: TensorInfo, dst: TensorInfo, cache: _Cache, sym: dict, *, to_cache, rotate, interleaved,
+                 positions_per_row) -> list[_Launch]:
     rows = src.shape[1]
     work = rows * src.shape[2] * cache.head_dim
     if work == 0:
-        return
+        return []
     if to_cache:
         dst_rows, dst_entries = cache.cache_rows, cache.cache_entries
     else:
         dst_rows, dst_entries = rows, cache.batch
-    table_stride = table.strides[0] if table is not None else 0
-    launch._launch(config, call.device_id, call.stream, (math.ceil(work / _THREADS), cache.batch),
-                   (_ptr(src), *_strides3(src), _ptr(dst), *_strides3(dst), np.int32(rows), np.int32(src.shape[2]),
-                    np.int32(cache.head_dim), _ptr(seqlens), _ptr(leftpad), _ptr(batch_idx), _ptr(table),
-                    np.int64(table_stride), np.int32(max(cache.page_size, 1)), np.int32(dst_rows),
-                    np.int32(dst_entries), np.int32(1 if to_cache else 0),
-                    np.uint64(cos.data.ptr if cos is not None else 0), np.uint64(sin.data.ptr if sin is not None else 0),
-                    np.int32(cos.shape[0] if cos is not None else 0), np.int32(cache.rotary_dim),
-                    np.int32(1 if interleaved else 0), np.int32(1 if positions_per_row else 0)))
+    table = sym["block_table"]
+    cos, sin = (sym["rotary_cos"], sym["rotary_sin"]) if rotate else (None, None)
+    return [_Launch.of(config, (math.ceil(work / _THREADS), cache.batch),
+                       (_ptr(src), *_strides3(src), _ptr(dst), *_strides3(dst), np.int32(rows), np.int32(src.shape[2]),
+                        np.int32(cache.head_dim), _ptr(sym["cache_seqlens"]), _ptr(sym["cache_leftpad"]),
+                        _ptr(sym["cache_batch_idx"]), _ptr(table), np.int64(table.strides[0] if table else 0),
+                        np.int32(max(cache.page_size, 1)), np.int32(dst_rows), np.int32(dst_entries),
+                        np.int32(1 if to_cache else 0), _ptr(cos), _ptr(sin), np.int32(cos.shape[0] if cos else 0),
+                        np.int32(cache.rotary_dim), np.int32(1 if interleaved else 0),
+                        np.int32(1 if positions_per_row else 0)))]
 
 
 def _decode_swap(q: TensorInfo, out: TensorInfo, shape: AttentionShape, cache: _Cache, causal: bool,
@@ -305,40 +399,38 @@ def _decode_swap(q: TensorInfo, out: TensorInfo, shape: AttentionShape, cache: _
     return swap(q), swap(out), shape, False
 
 
-def _attention(call, q, k_cache, v_cache, out, lse, shape, cache: _Cache, seqlens, batch_idx, leftpad, table, causal,
-               features, num_splits, combine, keep):
-    cp = interop.import_cupy()
-    q, out, shape, causal = _decode_swap(q, out, shape, cache, causal, features)
-    arch = launch.device_arch(call.device_id)
-    config = kvcache_config(shape.head_dim, launch.SHORT_DTYPE[shape.dtype], causal, arch)
+def _attention(device_id, q, out, lse, cache: _Cache, sym: dict, causal, features, num_splits,
+               combine) -> tuple[list[_Launch], int]:
+    """The attention launch (and the split-KV combine): (launches, partial result rows)."""
+    q, out, shape, causal = _decode_swap(q, out, cache.shape, cache, causal, features)
+    arch = launch.device_arch(device_id)
+    config = kvcache_config(shape.head_dim, launch.SHORT_DTYPE[shape.dtype], causal, arch, shape.seqlen_q)
     m_blocks = math.ceil(shape.seqlen_q / config.block_m)
     if num_splits == 0:
-        slots = 2 * _sm_count(call.device_id)
+        slots = 2 * _sm_count(device_id)
         num_splits = num_splits_heuristic(m_blocks * shape.nheads * cache.batch, slots,
                                           math.ceil(cache.cache_rows / config.block_n))
     num_splits = max(1, min(num_splits, _MAX_SPLITS, math.ceil(cache.cache_rows / config.block_n)))
-    o_partial = lse_partial = None
-    if num_splits > 1:
-        rows = num_splits * cache.batch * shape.nheads * shape.seqlen_q
-        o_partial = cp.empty((rows, shape.head_dim), dtype=np.float32)
-        lse_partial = cp.empty((rows,), dtype=np.float32)
-        keep += [o_partial, lse_partial]
-    table_stride = table.strides[0] if table is not None else 0
-    kernel_args = features.kernel_args(causal, shape.softmax_scale)
-    args = (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(lse), *_strides3(q), *_strides3(k_cache),
-            *_strides3(v_cache), *_strides3(out), np.int32(shape.seqlen_q), np.int32(cache.cache_rows),
-            np.int32(shape.head_dim), np.int32(shape.kv_group), *kernel_args,
-            _ptr(seqlens), _ptr(batch_idx), _ptr(leftpad), _ptr(table), np.int64(table_stride),
+    rows = cache.batch * shape.nheads * shape.seqlen_q
+    partial_rows = num_splits * rows if num_splits > 1 else 0
+    o_partial = _symbolic("o_partial", lse) if partial_rows else None
+    lse_partial = _symbolic("lse_partial", lse) if partial_rows else None
+    table = sym["block_table"]
+    args = (_ptr(q), _ptr(sym["k_cache"]), _ptr(sym["v_cache"]), _ptr(out), _ptr(lse), *_strides3(q),
+            *_strides3(sym["k_cache"]), *_strides3(sym["v_cache"]), *_strides3(out), np.int32(shape.seqlen_q),
+            np.int32(cache.cache_rows), np.int32(shape.head_dim), np.int32(shape.kv_group),
+            *features.kernel_args(causal, shape.softmax_scale),
+            _ptr(sym["cache_seqlens"]), np.int32(cache.seqlen_new), _ptr(sym["cache_batch_idx"]),
+            _ptr(sym["cache_leftpad"]), _ptr(table), np.int64(table.strides[0] if table else 0),
             np.int32(max(cache.page_size, 1)), np.int32(cache.cache_rows), np.int32(cache.cache_entries),
-            np.int32(num_splits), np.uint64(o_partial.data.ptr if o_partial is not None else 0),
-            np.uint64(lse_partial.data.ptr if lse_partial is not None else 0))
-    launch._launch(config, call.device_id, call.stream, (m_blocks * num_splits, shape.nheads, cache.batch), args)
-    if num_splits > 1:
-        rows = cache.batch * shape.nheads * shape.seqlen_q
-        launch._launch(combine, call.device_id, call.stream, (math.ceil(rows * 32 / _THREADS),),
-                       (np.uint64(o_partial.data.ptr), np.uint64(lse_partial.data.ptr), _ptr(out), _ptr(lse),
-                        *_strides3(out), np.int32(num_splits), np.int32(cache.batch), np.int32(shape.nheads),
-                        np.int32(shape.seqlen_q), np.int32(shape.head_dim)))
+            np.int32(num_splits), _ptr(o_partial), _ptr(lse_partial))
+    launches = [_Launch.of(config, (m_blocks * num_splits, shape.nheads, cache.batch), args)]
+    if partial_rows:
+        launches.append(_Launch.of(combine, (math.ceil(rows * 32 / _THREADS),),
+                                   (_ptr(o_partial), _ptr(lse_partial), _ptr(out), _ptr(lse), *_strides3(out),
+                                    np.int32(num_splits), np.int32(cache.batch), np.int32(shape.nheads),
+                                    np.int32(shape.seqlen_q), np.int32(shape.head_dim))))
+    return launches, partial_rows
 
 
 # ---- NumPy (CPU reference of the same semantics) ------------------------------------------------

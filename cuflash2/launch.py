@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from . import packed_launch
 from .compiler import get_kernel
 from .config import KernelConfig, backward_plan, forward_config
 from .features import PLAIN, Features
@@ -34,8 +35,16 @@ def _strides3(t: TensorInfo):
     return [_i64(s) for s in t.strides[:3]]
 
 
+#: False launches through CuPy's RawKernel call instead of the packed-argument launch (A/B timing).
+PACKED_LAUNCH = True
+
+
 def _launch(config: KernelConfig, device_id: int, stream, grid, args) -> None:
-    get_kernel(config, device_id)(grid, (config.threads,), args, shared_mem=config.smem_bytes, stream=stream)
+    kernel = get_kernel(config, device_id)
+    if PACKED_LAUNCH:
+        packed_launch.launch(kernel, grid, config.threads, config.smem_bytes, stream, args)
+    else:
+        kernel(grid, (config.threads,), args, shared_mem=config.smem_bytes, stream=stream)
 
 
 def _seqlen_args(shape: AttentionShape, features: Features):

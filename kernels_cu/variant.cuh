@@ -79,7 +79,8 @@ struct SeqRange {
 // The KV-cache forward (flash_attn_with_kvcache): per-sequence cache lengths, an optional map from
 // batch entry to cache entry, left padding, an optional page table, and split-KV partial outputs.
 struct KvCacheArgs {
-    const int* cache_seqlens;    // (batch,): keys per sequence, new ones (already appended) included
+    const int* cache_seqlens;    // (batch,) or nullptr (every cache entry full): lengths before appending
+    int seqlen_new;              // rows appended by this call: sequence b has cache_seqlens[b] + seqlen_new keys
     const int* cache_batch_idx;  // (batch,) or nullptr: which cache entry batch b reads
     const int* cache_leftpad;    // (batch,) or nullptr: first valid cache row of each sequence
     const int* block_table;      // (batch, max_pages) or nullptr (not paged)
@@ -92,18 +93,18 @@ struct KvCacheArgs {
     float* lse_partial;  // (num_splits, batch, nheads, seqlen_q)
 };
 
-#define CF_KVCACHE_PARAMS                                                                              \
-    const int *__restrict__ cache_seqlens, const int *__restrict__ cache_batch_idx,                    \
+#define CF_KVCACHE_PARAMS                                                                                \
+    const int *__restrict__ cache_seqlens, int seqlen_new, const int *__restrict__ cache_batch_idx,      \
         const int *__restrict__ cache_leftpad, const int *__restrict__ block_table, i64 block_table_stride, \
-        int page_size, int cache_rows, int cache_entries, int num_splits, float *__restrict__ o_partial,     \
+        int page_size, int cache_rows, int cache_entries, int num_splits, float *__restrict__ o_partial,   \
         float *__restrict__ lse_partial
-#define CF_KVCACHE_ARGS                                                                                    \
-    KvCacheArgs {                                                                                          \
-        cache_seqlens, cache_batch_idx, cache_leftpad, block_table, block_table_stride, page_size, cache_rows, \
-            cache_entries, num_splits, o_partial, lse_partial                                              \
+#define CF_KVCACHE_ARGS                                                                                 \
+    KvCacheArgs {                                                                                       \
+        cache_seqlens, seqlen_new, cache_batch_idx, cache_leftpad, block_table, block_table_stride,     \
+            page_size, cache_rows, cache_entries, num_splits, o_partial, lse_partial                    \
     }
 
-// Sequence range of batch entry `batch` in the KV-cache forward: keys [leftpad, cache_seqlens[b]).
+// Sequence range of batch entry `batch` in the KV-cache forward: keys [leftpad, cache_seqlens[b] + seqlen_new).
 // Lengths are clamped to the cache and a cache index outside it gives an empty sequence, so bad
 // values in device arrays (which the host does not read) cannot make the kernel read out of bounds.
 CF_DEVICE SeqRange kvcache_seq_range(const KvCacheArgs& kc, int batch, int nheads, int seqlen_q) {
@@ -111,7 +112,8 @@ CF_DEVICE SeqRange kvcache_seq_range(const KvCacheArgs& kc, int batch, int nhead
     const int leftpad = kc.cache_leftpad != nullptr ? max(kc.cache_leftpad[batch], 0) : 0;
     const int entry = kc.cache_batch_idx != nullptr ? kc.cache_batch_idx[batch] : batch;
     const bool entry_ok = kc.block_table != nullptr || (unsigned)entry < (unsigned)kc.cache_entries;
-    const int end = entry_ok ? min(kc.cache_seqlens[batch], kc.cache_rows) : 0;
+    const i64 keys = kc.cache_seqlens != nullptr ? (i64)kc.cache_seqlens[batch] + kc.seqlen_new : kc.cache_rows;
+    const int end = entry_ok ? (int)min(keys, (i64)kc.cache_rows) : 0;
     r.seqlen_q = seqlen_q;
     r.seqlen_k = max(end - leftpad, 0);
     r.q_start = 0;

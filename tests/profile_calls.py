@@ -1,6 +1,6 @@
 """Host-side cost of one call (what a decoding loop pays per token): wall time per call for
-back-to-back calls, and a cProfile of where the Python time goes. Usage:
-python tests/profile_calls.py [decode|forward]"""
+back-to-back calls with CuPy's launcher and with the packed-argument launch, and a cProfile of where
+the Python time goes. Usage: python tests/profile_calls.py [decode|decode-torch|forward ...]"""
 
 import cProfile
 import pstats
@@ -11,6 +11,7 @@ import cupy as cp
 import numpy as np
 
 import cuflash2
+from cuflash2 import launch
 from cuflash2.bench import time_cuda_ms
 
 
@@ -22,27 +23,49 @@ def decode_call():
     return lambda: cuflash2.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=seqlens)
 
 
+def decode_torch_call():
+    import torch
+
+    q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.randn(1, 2048, 8, 128, dtype=torch.bfloat16, device="cuda")
+    seqlens = torch.full((1,), 2048, dtype=torch.int32, device="cuda")
+    return lambda: cuflash2.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=seqlens)
+
+
 def forward_call():
     rng = np.random.default_rng(0)
     q = cp.asarray(rng.standard_normal((1, 128, 16, 128)).astype(np.float16))
     return lambda: cuflash2.flash_attn_func(q, q, q, causal=True)
 
 
-fn = {"decode": decode_call, "forward": forward_call}[sys.argv[1] if len(sys.argv) > 1 else "decode"]()
-for _ in range(20):
-    fn()
-cp.cuda.Device().synchronize()
-n = 500
-start = time.perf_counter()
-for _ in range(n):
-    fn()
-cp.cuda.Device().synchronize()
-print(f"wall per call (back-to-back, {n} calls): {(time.perf_counter() - start) / n * 1e6:.1f} us")
-print(f"CUDA-event time per call: {time_cuda_ms(fn) * 1e3:.1f} us")
-profile = cProfile.Profile()
-profile.enable()
-for _ in range(200):
-    fn()
-profile.disable()
-cp.cuda.Device().synchronize()
-pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+def wall_us(fn, n=500):
+    for _ in range(20):
+        fn()
+    cp.cuda.Device().synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    cp.cuda.Device().synchronize()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def profile(name, fn):
+    for packed in (False, True):
+        launch.PACKED_LAUNCH = packed
+        wall = wall_us(fn)
+        event = time_cuda_ms(fn) * 1e3
+        print(f"{name} {'packed' if packed else 'cupy  '} launch: wall per call {wall:.1f} us, "
+              f"CUDA-event time per call {event:.1f} us")
+    stats = cProfile.Profile()
+    stats.enable()
+    for _ in range(200):
+        fn()
+    stats.disable()
+    cp.cuda.Device().synchronize()
+    pstats.Stats(stats).sort_stats("tottime").print_stats(25)
+    pstats.Stats(stats).sort_stats("cumulative").print_stats(30)
+
+
+calls = {"decode": decode_call, "decode-torch": decode_torch_call, "forward": forward_call}
+for mode in sys.argv[1:] or ["decode"]:
+    profile(mode, calls[mode]())

@@ -148,3 +148,36 @@ def test_kvcache_with_torch_tensors():
     ref = torch.nn.functional.scaled_dot_product_attention(
         q[:1].transpose(1, 2), k_cache[:1, :11].transpose(1, 2), v_cache[:1, :11].transpose(1, 2), enable_gqa=True)
     torch.testing.assert_close(out[:1].float(), ref.transpose(1, 2).float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("seqlens_kind", ["array", "int", "none"])
+def test_decode_loop_reuses_its_plan(seqlens_kind):
+    """A decoding loop: the same call signature every step with new q/k/v buffers and new lengths.
+    The launch plan is built once and reused; every step must match the NumPy path (no stale
+    address or length from an earlier step)."""
+    import cupy as cp
+
+    from cuflash2 import kvcache
+
+    rng = np.random.default_rng(5)
+    batch, h, hk, d, cache_len = 2, 8, 2, 128, 40
+    f = NP["bf16"]
+    k_cache = rng.standard_normal((batch, cache_len, hk, d)).astype(f)
+    v_cache = rng.standard_normal((batch, cache_len, hk, d)).astype(f)
+    k_gpu, v_gpu = cp.asarray(k_cache), cp.asarray(v_cache)
+    plans_before = len(kvcache._plans)
+    for step in range(4):
+        q = rng.standard_normal((batch, 1, h, d)).astype(f)
+        kwargs = {"return_softmax_lse": True}
+        if seqlens_kind != "none":  # append one token per step at a growing length
+            length = 30 + step
+            kwargs["k"] = rng.standard_normal((batch, 1, hk, d)).astype(f)
+            kwargs["v"] = rng.standard_normal((batch, 1, hk, d)).astype(f)
+            kwargs["cache_seqlens"] = (length if seqlens_kind == "int"
+                                       else np.array([length, length - 7], np.int32))
+        ref_out, ref_lse = cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+        out, lse = cuflash2.flash_attn_with_kvcache(cp.asarray(q), k_gpu, v_gpu, **_to_gpu(cp, kwargs))
+        np.testing.assert_array_equal(cp.asnumpy(k_gpu).view(np.uint16), k_cache.view(np.uint16))
+        assert np.abs(cp.asnumpy(as_float32(cp, out)) - as_float32(np, ref_out)).max() < 2e-2
+        assert np.abs(cp.asnumpy(lse) - ref_lse).max() < 1e-2
+    assert len(kvcache._plans) - plans_before <= 1  # one signature, one plan

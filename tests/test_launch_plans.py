@@ -1,0 +1,90 @@
+"""Kernel-argument packing and the KV-cache launch plans (pure: no GPU needed)."""
+
+import struct
+
+import numpy as np
+import pytest
+
+from cuflash2 import kvcache, launch, packed_launch
+from cuflash2.validate import TensorInfo
+
+
+def test_each_argument_gets_a_little_endian_8_byte_slot():
+    args = (np.uint64(2**40 + 5), np.int32(-3), np.float32(1.5), np.int64(-7))
+    packed = bytes(packed_launch.pack_slots(args))
+    assert len(packed) == 4 * packed_launch.SLOT_BYTES
+    assert struct.unpack_from("<Q", packed, 0)[0] == 2**40 + 5
+    assert struct.unpack_from("<i", packed, 8)[0] == -3  # a 4-byte parameter reads the low half
+    assert struct.unpack_from("<f", packed, 16)[0] == 1.5
+    assert struct.unpack_from("<q", packed, 24)[0] == -7
+
+
+def test_unsupported_argument_types_are_named():
+    with pytest.raises(TypeError, match="kernel argument: expected np.uint64.*got int"):
+        packed_launch.pack_slots((np.int32(1), 5))
+
+
+def _info(shape, dtype="bfloat16", itemsize=2):
+    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return TensorInfo(tuple(shape), strides, dtype, "cuda:0", 0x7F0000000000, itemsize)
+
+
+def _decode_infos(paged=False, rotary=False, append=True):
+    batch, hk, d = 4, 8, 128
+    cache = (32, 16, hk, d) if paged else (batch, 2048, hk, d)
+    return {"q": _info((batch, 1, 32, d)), "k_cache": _info(cache), "v_cache": _info(cache),
+            "k": _info((batch, 1, hk, d)) if append else None, "v": _info((batch, 1, hk, d)) if append else None,
+            "cache_seqlens": _info((batch,), "int32", 4), "cache_batch_idx": None, "cache_leftpad": None,
+            "block_table": _info((batch, 128), "int32", 4) if paged else None, "alibi_slopes": None,
+            "rotary_cos": _info((4096, 64), "float32", 4) if rotary else None,
+            "rotary_sin": _info((4096, 64), "float32", 4) if rotary else None}
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
+    monkeypatch.setattr(kvcache, "_sm_count", lambda device_id: 132)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_decode_plan_launches_and_pointer_slots(h200, paged, rotary):
+    infos = _decode_infos(paged, rotary)
+    plan = kvcache._make_plan(0, infos, None, False, (-1, -1), 0.0, True, 0)
+    kernels = [step.config.kernel for step in plan.launches]
+    # append k, append v, (rotate q,) attention, and the split-KV combine (4 sequences x 8 kv heads
+    # do not fill 264 block slots, so the keys are split)
+    assert len(kernels) == (5 if rotary else 4) and kernels[0] == kernels[1]
+    assert plan.partial_rows > 0 and plan.rotate_q == rotary
+    attention = plan.launches[-2]
+    expected = {"k_cache", "v_cache", "out", "lse", "cache_seqlens", "o_partial", "lse_partial",
+                "q_rot" if rotary else "q"} | ({"block_table"} if paged else set())
+    assert {name for _, name in attention.pointer_slots} == expected
+    for step in plan.launches:  # no symbolic address is left outside the slots
+        slot_indices = {i for i, _ in step.pointer_slots}
+        for i, arg in enumerate(step.args):
+            if type(arg) is np.uint64 and i not in slot_indices:
+                assert int(arg) == 0
+
+
+def test_decode_plan_fills_in_each_calls_addresses(h200):
+    plan = kvcache._make_plan(0, _decode_infos(append=False), None, False, (-1, -1), 0.0, True, 1)
+    (attention,) = plan.launches  # num_splits=1: no combine
+    sent = []
+    launch_args = {}
+
+    def fake_launch(config, device_id, stream, grid, args):
+        sent.append((config, grid))
+        launch_args.update(enumerate(args))
+
+    pointers = {name: 0x1000 * (i + 1) for i, name in enumerate(kvcache._BUFFERS)}
+    original = launch._launch
+    launch._launch = fake_launch
+    try:
+        attention.run(type("Call", (), {"device_id": 0, "stream": None})(), pointers)
+    finally:
+        launch._launch = original
+    for index, name in attention.pointer_slots:
+        assert launch_args[index] == pointers[name]
+    assert launch_args[0] == pointers["q"] and launch_args[3] == pointers["out"]
+    assert sent[0][1][1:] == (8, 4)  # GQA decoding: one row block per kv head (query heads as rows)
