@@ -212,12 +212,21 @@ _KVCACHE_TILES = {32: (64, 128, 4, 3), 64: (64, 128, 4, 3), 96: (64, 64, 4, 3), 
                   160: (64, 32, 4, 3), 192: (64, 32, 4, 3), 224: (128, 32, 8, 2), 256: (128, 32, 8, 2)}
 
 
+# One-token decoding puts a GQA group of query heads (at most 32 here) in the rows of one block: a
+# 32-row block of 2 warps wastes fewer tensor-core rows than 64 and fits 2 blocks per SM. At head
+# dim 128 it measured 1.01-1.40x the 64-row tile's bandwidth (H200; BENCHMARKS.md, log item 12).
+_KVCACHE_SHORT_TILES = {128: (32, 128, 2, 3)}
+KVCACHE_SHORT_ROWS = 32
+
+
 @functools.lru_cache(maxsize=4096)
-def kvcache_config(head_dim: int, dtype: str, causal: bool, arch: int) -> KernelConfig:
-    """Tile shape of the KV-cache forward kernel (always with the optional features available)."""
+def kvcache_config(head_dim: int, dtype: str, causal: bool, arch: int, query_rows: int = 64) -> KernelConfig:
+    """Tile shape of the KV-cache forward kernel (always with the optional features available);
+    query_rows: rows of q per (sequence, kv head) block as the kernel sees them."""
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
-    block_m, block_n, warps, stages = _KVCACHE_TILES[bucket]
+    short = _KVCACHE_SHORT_TILES.get(bucket) if query_rows <= KVCACHE_SHORT_ROWS else None
+    block_m, block_n, warps, stages = short or _KVCACHE_TILES[bucket]
     if bucket == 128 and not _large_smem(arch):
         block_n = 64  # 3 stages of 128 keys need 112 KB
     config = KernelConfig(FWD_KVCACHE, dtype, bucket, block_m, block_n, warps, stages, bool(causal), variant=True)
@@ -232,8 +241,9 @@ def kvcache_helper_configs(dtype: str) -> tuple[KernelConfig, KernelConfig]:
 
 
 def all_kvcache_configs(arch: int) -> list[KernelConfig]:
-    configs = [kvcache_config(bucket, dtype, causal, arch)
-               for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)]
+    configs = [kvcache_config(bucket, dtype, causal, arch, rows)
+               for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)
+               for rows in dict.fromkeys((64, KVCACHE_SHORT_ROWS) if bucket in _KVCACHE_SHORT_TILES else (64,))]
     return configs + [c for dtype in DTYPES for c in kvcache_helper_configs(dtype)]
 
 
@@ -296,11 +306,10 @@ _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 
 
 FUSED_BWD_HEAD_DIMS = (64, 128)  # buckets whose dQ split and registers fit the fused kernel's layout
-# Head dims where the fused kernel is the default: 128 measured 1.1-1.26x the two-kernel plan on the
-# H200 (seqlen 1k-4k, BENCHMARKS.md); at 64 both are within a few percent, and the two-kernel plan is
-# deterministic. Head dims 104-120 (padded columns in the 128 bucket) have only been compiled, not
-# run on a GPU, so they keep the two-kernel plan until they are.
-FUSED_BWD_DEFAULT_HEAD_DIMS = (128,)
+# Buckets where the fused kernel is the default: at 128 it measured 1.1-1.26x the two-kernel plan on
+# the H200 (seqlen 1k-4k), and 1.08-1.38x at head dim 120 (padded columns; BENCHMARKS.md). At 64 both
+# are within a few percent, and the two-kernel plan is deterministic.
+FUSED_BWD_DEFAULT_BUCKETS = (128,)
 
 
 def fused_backward_supported(bucket: int, arch: int, variant: bool = False, deterministic: bool = False,
@@ -346,7 +355,7 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
     causal, variant = bool(causal), bool(variant)
     supported = fused_backward_supported(bucket, arch, variant, deterministic, causal, bool(gqa))
     if fused is None:  # the default: where measured faster, unless the caller chose a plan
-        fused = (supported and head_dim in FUSED_BWD_DEFAULT_HEAD_DIMS and atomic_dq is None and split is None
+        fused = (supported and bucket in FUSED_BWD_DEFAULT_BUCKETS and atomic_dq is None and split is None
                  and tile is None)
     if fused and not supported:
         raise ValueError(f"fused: the one-pass backward needs sm_90, plain attention, non-deterministic mode, a "
