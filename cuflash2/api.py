@@ -51,9 +51,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
         if out is not None:
             raise TypeError("out: JAX arrays are immutable; out= is not supported with JAX inputs")
-        if dropout[0] > 0:
-            raise NotImplementedError("dropout_p: dropout is not supported with JAX arrays yet")
-        out, lse = jax_ops.forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic)
+        if return_attn_probs:  # built outside XLA (below): fail before the launch when traced
+            jax_ops.check_concrete("return_attn_probs", q, k, v, alibi_slopes)
+        out, lse = jax_ops.forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+                                   dropout)
     else:
         out, lse = flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window,
                                       softcap=softcap, alibi_slopes=alibi_slopes, out=out, dropout_p=dropout[0],

@@ -1,13 +1,26 @@
-"""JAX integration: a differentiable attention function usable under jax.jit and jax.grad.
+"""JAX integration: differentiable attention functions usable under jax.jit and jax.grad.
 
 The kernels run inside `jax.experimental.buffer_callback` (experimental JAX API): XLA hands the
 callback its device buffers and its compute stream, and cuflash2 launches on that stream, writing
 the outputs in place. `jax.custom_vjp` pairs the forward with cuflash2's backward. Imported only
 when a JAX array is passed in.
+
+Dropout: the kernels take the seed and offset as launch arguments, so they are static (Python
+ints fixed when a function is traced). Under jax.jit a seed drawn because dropout_seed is None is
+therefore drawn once, at trace time, and every call of the compiled function reuses its mask; pass
+dropout_seed explicitly to change it (each new seed traces and compiles again).
+
+Varlen: cu_seqlens are device arrays. Concrete ones (eager calls) are checked on the host as on the
+CuPy path. Under jax.jit they are traced and their values cannot be checked: they are clamped on the
+device into [0, total] and made non-decreasing so that the kernels stay inside the packed tensors,
+and out/LSE/gradients are filled first (0, +inf, 0) so that rows no sequence covers are defined.
+Values that break the other rules (a first entry other than 0, a sequence longer than max_seqlen)
+then give wrong results, but no access outside the tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,8 +29,11 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import interop, launch
-from .features import Features, check_alibi
-from .validate import AttentionShape, TensorInfo, validate_qkv
+from .api import _check_grid, _fill
+from .features import Features, as_batched, check_alibi, check_cu_seqlens, varlen_shape
+from .validate import AttentionShape, TensorInfo, expect, validate_qkv
+
+NO_DROPOUT = (0.0, 0, 0)
 
 
 def _contiguous_info(shape, dtype, ptr: int = 0) -> TensorInfo:
@@ -53,11 +69,12 @@ def _device_and_stream(ctx, ptr: int):
     return device_id, interop.external_stream(cp, ctx.stream, device_id)
 
 
-def _features(options, alibi) -> Features:
+def _features(options, alibi, **varlen) -> Features:
     """Features of a call; `alibi` is the slopes' XLA buffer (a zero-size dummy when off)."""
-    window, softcap, alibi_shape = options
+    window, softcap, alibi_shape, dropout = options
     info = None if alibi_shape is None else _buffer_info(alibi, alibi_shape, np.float32)
-    return Features(window[0], window[1], softcap, info)
+    return Features(window[0], window[1], softcap, info, dropout_p=dropout[0], dropout_seed=dropout[1],
+                    dropout_offset=dropout[2], **varlen)
 
 
 def _forward_callback(ctx, outputs, q, k, v, alibi, *, shape: AttentionShape, causal: bool, options):
@@ -101,7 +118,9 @@ def _forward(q, k, v, alibi, softmax_scale, causal, options):
     return buffer_callback(callback, (jax.ShapeDtypeStruct(q.shape, q.dtype), lse_type))(q, k, v, alibi)
 
 
-# options = (window, softcap, alibi_shape): static; the slopes themselves are an (undifferentiated) input.
+# options = (window, softcap, alibi_shape, dropout (p, seed, offset)): static; the slopes themselves
+# are an (undifferentiated) input. The backward gets the same options, so it regenerates the
+# forward's dropout mask.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _attention(q, k, v, alibi, softmax_scale, causal, options, deterministic):
     return _forward(q, k, v, alibi, softmax_scale, causal, options)
@@ -128,14 +147,200 @@ def _attention_bwd(softmax_scale, causal, options, deterministic, residuals, cot
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic):
-    """(out, softmax_lse), differentiable with respect to q, k, v; traceable under jit."""
-    shape = _shape_of(q, k, v, softmax_scale)
+def _options(shape: AttentionShape, window, softcap, alibi_slopes, dropout):
+    """(slopes array (a zero-size dummy when off), static options) of a call."""
     if alibi_slopes is None:
         alibi, alibi_shape = jnp.zeros((0,), jnp.float32), None
     else:
         alibi = jnp.asarray(alibi_slopes)
         check_alibi(_contiguous_info(alibi.shape, alibi.dtype), shape.batch, shape.nheads, "cuda")
         alibi_shape = tuple(alibi.shape)
-    options = (tuple(int(w) for w in window), float(softcap), alibi_shape)
+    dropout = (float(dropout[0]), int(dropout[1]), int(dropout[2]))
+    return alibi, (tuple(int(w) for w in window), float(softcap), alibi_shape, dropout)
+
+
+def forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic, dropout=NO_DROPOUT):
+    """(out, softmax_lse), differentiable with respect to q, k, v; traceable under jit. `dropout` is
+    (p, seed, offset), already checked (api.resolve_dropout)."""
+    shape = _shape_of(q, k, v, softmax_scale)
+    alibi, options = _options(shape, window, softcap, alibi_slopes, dropout)
     return _attention(q, k, v, alibi, softmax_scale, bool(causal), options, bool(deterministic))
+
+
+def check_concrete(name: str, *arrays) -> None:
+    """Raise unless the arrays hold values: features computed outside XLA (the attention
+    probabilities) cannot run on traced arrays."""
+    if any(isinstance(x, jax.core.Tracer) for x in arrays):
+        raise NotImplementedError(f"{name}: with JAX arrays it needs concrete arrays (an eager call): the "
+                                  "probabilities are built outside XLA, so not inside jax.jit, jax.grad or "
+                                  "jax.vmap; call without it there")
+
+
+# ---- varlen -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class VarlenProblem:
+    """Static description of a varlen call (hashable: a custom_vjp non-differentiable argument)."""
+
+    shape: AttentionShape  # batch = number of sequences, seqlens = the given maxima
+    total_q: int  # rows of the packed q and k
+    total_k: int
+    prefill: bool  # rows may lie outside every sequence (or cu_seqlens are unchecked): fill outputs first
+
+    @property
+    def empty(self) -> bool:
+        """No sequence has both queries and keys: out 0, LSE +inf, zero gradients, no launch."""
+        return min(self.total_q, self.total_k, self.shape.seqlen_q, self.shape.seqlen_k) == 0
+
+    def packed(self):
+        """Shapes of the packed (q, k and v, lse, cu_seqlens)."""
+        s = self.shape
+        return ((self.total_q, s.nheads, s.head_dim), (self.total_k, s.nheads_kv, s.head_dim),
+                (s.nheads, self.total_q), (s.batch + 1,))
+
+    def batched(self, info: TensorInfo, rows: str) -> TensorInfo:
+        """The (batch, max_seqlen, nheads, dim) view the kernels take of a packed q-like or k-like tensor."""
+        return as_batched(info, self.shape.batch, self.shape.seqlen_q if rows == "q" else self.shape.seqlen_k)
+
+
+def _varlen_features(problem: VarlenProblem, options, alibi, cu_q, cu_k) -> Features:
+    cu_shape = problem.packed()[3]
+    return _features(options, alibi, cu_seqlens_q=_buffer_info(cu_q, cu_shape, np.int32),
+                     cu_seqlens_k=_buffer_info(cu_k, cu_shape, np.int32), total_q=problem.total_q,
+                     total_k=problem.total_k)
+
+
+def _prefill(device_id: int, stream, *pairs) -> None:
+    """Fill described buffers (info, value) before the kernels write the rows they cover."""
+    call = interop.GpuCall("jax", device_id, stream)
+    for info, value in pairs:
+        _fill(call, info, value)
+
+
+def _varlen_forward_callback(ctx, outputs, q, k, v, cu_q, cu_k, alibi, *, problem: VarlenProblem, causal: bool,
+                             options):
+    out, lse = outputs
+    q_shape, kv_shape, lse_shape, _ = problem.packed()
+    dtype = _element_type(problem.shape)
+    q_i, k_i, v_i, out_i = (_buffer_info(b, s, dtype) for b, s in
+                            ((q, q_shape), (k, kv_shape), (v, kv_shape), (out, q_shape)))
+    lse_i = _buffer_info(lse, lse_shape, np.float32)
+    features = _varlen_features(problem, options, alibi, cu_q, cu_k)
+    device_id, stream = _device_and_stream(ctx, q_i.data_ptr)
+    cp = interop.import_cupy()
+    with cp.cuda.Device(device_id), stream:
+        if problem.prefill:
+            _prefill(device_id, stream, (out_i, 0), (lse_i, np.inf))
+        launch.forward(problem.batched(q_i, "q"), problem.batched(k_i, "k"), problem.batched(v_i, "k"),
+                       problem.batched(out_i, "q"), lse_i, problem.shape, causal, device_id, stream,
+                       features=features)
+
+
+def _varlen_backward_callback(ctx, grads, dout, q, k, v, out, lse, cu_q, cu_k, alibi, *, problem: VarlenProblem,
+                              causal: bool, deterministic: bool, options):
+    q_shape, kv_shape, lse_shape, _ = problem.packed()
+    dtype = _element_type(problem.shape)
+    rows = ("q", "q", "k", "k", "q")  # dout, q, k, v, out
+    tensors = [_buffer_info(b, s, dtype) for b, s in
+               ((dout, q_shape), (q, q_shape), (k, kv_shape), (v, kv_shape), (out, q_shape))]
+    grad_infos = [_buffer_info(g, s, dtype) for g, s in zip(grads, (q_shape, kv_shape, kv_shape))]
+    lse_i = _buffer_info(lse, lse_shape, np.float32)
+    features = _varlen_features(problem, options, alibi, cu_q, cu_k)
+    device_id, stream = _device_and_stream(ctx, tensors[1].data_ptr)
+    cp = interop.import_cupy()
+    with cp.cuda.Device(device_id), stream:
+        if problem.prefill:
+            _prefill(device_id, stream, *((g, 0) for g in grad_infos))
+        launch.backward(*(problem.batched(t, r) for t, r in zip(tensors, rows)), lse_i,
+                        *(problem.batched(g, r) for g, r in zip(grad_infos, ("q", "k", "k"))), problem.shape,
+                        causal, deterministic, device_id, stream, features=features)
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, alibi, problem: VarlenProblem, causal, options):
+    lse_type = jax.ShapeDtypeStruct(problem.packed()[2], jnp.float32)
+    if problem.empty:
+        return jnp.zeros_like(q), jnp.full(lse_type.shape, jnp.inf, jnp.float32)
+    callback = functools.partial(_varlen_forward_callback, problem=problem, causal=causal, options=options)
+    return buffer_callback(callback, (jax.ShapeDtypeStruct(q.shape, q.dtype), lse_type))(q, k, v, cu_q, cu_k, alibi)
+
+
+def _no_cotangent(x):
+    """The cotangent of an integer input (cu_seqlens): float0 zeros."""
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _varlen_attention(q, k, v, cu_q, cu_k, alibi, problem, causal, options, deterministic):
+    return _varlen_forward(q, k, v, cu_q, cu_k, alibi, problem, causal, options)
+
+
+def _varlen_attention_fwd(q, k, v, cu_q, cu_k, alibi, problem, causal, options, deterministic):
+    out, lse = _varlen_forward(q, k, v, cu_q, cu_k, alibi, problem, causal, options)
+    return (out, lse), (q, k, v, cu_q, cu_k, alibi, out, lse)
+
+
+def _varlen_attention_bwd(problem, causal, options, deterministic, residuals, cotangents):
+    q, k, v, cu_q, cu_k, alibi, out, lse = residuals
+    dout, _ = cotangents  # the LSE output is not differentiated (as in FA2)
+    rest = (_no_cotangent(cu_q), _no_cotangent(cu_k), jnp.zeros_like(alibi))
+    if problem.empty:
+        return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), *rest)
+    callback = functools.partial(_varlen_backward_callback, problem=problem, causal=causal,
+                                 deterministic=deterministic, options=options)
+    types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    dq, dk, dv = buffer_callback(callback, types)(dout.astype(q.dtype), q, k, v, out, lse, cu_q, cu_k, alibi)
+    return (dq, dk, dv, *rest)
+
+
+_varlen_attention.defvjp(_varlen_attention_fwd, _varlen_attention_bwd)
+
+
+def _check_packed_dims(name: str, x) -> TensorInfo:
+    info = _contiguous_info(x.shape, x.dtype)
+    expect(len(info.shape) == 3,
+           lambda: f"{name}: expected 3 dims (total_seqlen, nheads, headdim), got shape {info.shape}")
+    return info
+
+
+def _cu_seqlens_batch(name: str, x, batch: int | None) -> int:
+    """Checks what is static about cu_seqlens (type, dtype, shape); returns the batch size."""
+    expect(isinstance(x, jax.Array), lambda: f"{name}: expected a JAX int32 array like q, got {type(x).__name__}",
+           TypeError)
+    expect(np.dtype(x.dtype) == np.int32, lambda: f"{name}: expected dtype int32, got {np.dtype(x.dtype).name}",
+           TypeError)
+    expect(x.ndim == 1 and x.shape[0] >= 2,
+           lambda: f"{name}: expected shape (batch + 1,) with batch >= 1, got {tuple(x.shape)}")
+    n = x.shape[0] - 1
+    if batch is not None:
+        expect(n == batch, lambda: f"{name}: expected {batch + 1} entries (same batch as cu_seqlens_q), got {n + 1}")
+    return n
+
+
+def _checked_cu_seqlens(name: str, x, total: int, max_seqlen: int, batch: int):
+    """(device array, whether its values were checked and its last entry is `total`). Concrete
+    values are checked on the host as on the CuPy path; traced ones are clamped on the device."""
+    if isinstance(x, jax.core.Tracer):
+        return jax.lax.cummax(jnp.clip(x, 0, total)), False
+    values = np.asarray(x)  # one small device-to-host copy, as on the CuPy path
+    check_cu_seqlens(name, _contiguous_info(x.shape, x.dtype), values, total, max_seqlen, batch, "cuda")
+    return x, int(values[-1]) == total
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, softmax_scale, causal,
+                   window, softcap, alibi_slopes, deterministic, dropout=NO_DROPOUT):
+    """(out (total_q, nheads, d), softmax_lse (nheads, total_q)) of a varlen call, differentiable
+    with respect to q, k, v; traceable under jit. max_seqlen_q/k are checked ints, `dropout` is
+    (p, seed, offset), already checked."""
+    infos = [_check_packed_dims(name, x) for name, x in (("q", q), ("k", k), ("v", v))]
+    # the packed tensors as one batch entry: validate_qkv's checks of dtypes, heads and head dim
+    one = validate_qkv(*(as_batched(i, 1, i.shape[0]) for i in infos), softmax_scale, check_pointers=False)
+    batch = _cu_seqlens_batch("cu_seqlens_q", cu_seqlens_q, None)
+    _cu_seqlens_batch("cu_seqlens_k", cu_seqlens_k, batch)
+    shape = varlen_shape(infos[0], infos[1], batch, max_seqlen_q, max_seqlen_k, one.softmax_scale)
+    _check_grid(shape)
+    alibi, options = _options(shape, window, softcap, alibi_slopes, dropout)
+    total_q, total_k = q.shape[0], k.shape[0]
+    cu_q, covers_q = _checked_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, batch)
+    cu_k, covers_k = _checked_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, batch)
+    problem = VarlenProblem(shape, total_q, total_k, prefill=not (covers_q and covers_k))
+    return _varlen_attention(q, k, v, cu_q, cu_k, alibi, problem, bool(causal), options, bool(deterministic))

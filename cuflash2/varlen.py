@@ -44,9 +44,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out, lse = torch_ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             softmax_scale, causal, window, softcap, alibi_slopes, deterministic, out,
                                             dropout)
-    elif framework == "jax":
-        raise NotImplementedError("q: the varlen functions do not take JAX arrays yet (cu_seqlens are checked on "
-                                  "the host); pad the batch and use flash_attn_func")
+    elif framework == "jax":  # differentiable, jit-able; cu_seqlens values are checked only outside jit
+        from . import jax_ops
+
+        if out is not None:
+            raise TypeError("out: JAX arrays are immutable; out= is not supported with JAX inputs")
+        if return_attn_probs:  # built outside XLA (below): fail before the launch when traced
+            jax_ops.check_concrete("return_attn_probs", q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+        out, lse = jax_ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+                                          dropout)
     else:
         out, lse = flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              softmax_scale, causal, window, softcap, alibi_slopes, out=out,
