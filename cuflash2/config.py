@@ -113,6 +113,15 @@ class KernelConfig:
         """A backward main kernel that adds its dQ partial sums to the fp32 accumulator."""
         return self.kernel == BWD_FUSED or (self.kernel == BWD and self.flags[2])
 
+    def dq_column_swizzle(self, head_dim: int) -> int:
+        """Column-permutation mask of the fp32 dQ accumulator this kernel fills through shared memory
+        (DqStaging::swizzled_col, kernels_cu/dq_staging.cuh), which the convert kernel undoes: pairs
+        of columns move by 8 * (row % 4) so that the staging stores avoid bank conflicts. Only for
+        head dims that are multiples of 32, and not in the fused kernel at head dim 128 (no registers
+        to spare there); 0 means no permutation."""
+        swizzles = self.accumulates_dq and not (self.kernel == BWD_FUSED and self.head_dim == 128)
+        return 24 if swizzles and head_dim % 32 == 0 else 0
+
     @property
     def source_file(self) -> str:
         return SOURCE_FILE[self.kernel]
@@ -306,10 +315,11 @@ _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 
 
 FUSED_BWD_HEAD_DIMS = (64, 128)  # buckets whose dQ split and registers fit the fused kernel's layout
-# Buckets where the fused kernel is the default: at 128 it measured 1.1-1.26x the two-kernel plan on
-# the H200 (seqlen 1k-4k), and 1.08-1.38x at head dim 120 (padded columns; BENCHMARKS.md). At 64 both
-# are within a few percent, and the two-kernel plan is deterministic.
-FUSED_BWD_DEFAULT_BUCKETS = (128,)
+# Buckets where the fused kernel is the default (H200, BENCHMARKS.md): at 128 it measured 1.1-1.26x
+# the two-kernel plan (seqlen 1k-4k), 1.08-1.38x at head dim 120 (padded columns); at 64, once its dQ
+# staging stores were free of bank conflicts, 1.05-1.08x (0.97x causal at seqlen 1k). Its 128-row
+# query blocks at head dim 64 were as fast but spill in the causal build, so 64 rows everywhere.
+FUSED_BWD_DEFAULT_BUCKETS = (64, 128)
 
 
 def fused_backward_supported(bucket: int, arch: int, variant: bool = False, deterministic: bool = False,

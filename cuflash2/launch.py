@@ -110,7 +110,8 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
 
     dq_acc_ptr = delta_i.data_ptr  # unused unless the main kernel accumulates dQ
     if plan.dq is None:  # (b, h, sq rounded up to the query block, d): one block is one contiguous range
-        block_m = next(c.block_m for c in plan.main if c.accumulates_dq)
+        dq_producer = next(c for c in plan.main if c.accumulates_dq)
+        block_m = dq_producer.block_m
         dq_acc, dq_acc_i = _scratch(cp, (b, h, math.ceil(sq / block_m) * block_m, d), zero=True)
         keep.append(dq_acc)
         dq_acc_ptr = dq_acc_i.data_ptr
@@ -133,7 +134,8 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
                  _ptr(delta_i.data_ptr), _ptr(dq.data_ptr), *_strides3(q), *_strides3(k), *_strides3(v),
                  *_strides3(dout), *_strides3(dq), *tail))
     else:
-        _convert(plan.convert, device_id, stream, dq_acc_i, dq, b, sq, h, d, 1, scale, heads_major=True)
+        _convert(plan.convert, device_id, stream, dq_acc_i, dq, b, sq, h, d, 1, scale, heads_major=True,
+                 col_swizzle=dq_producer.dq_column_swizzle(d))
     if gqa:
         for acc, grad in ((dk_t, dk), (dv_t, dv)):
             _convert(plan.convert, device_id, stream, acc, grad, b, sk, shape.nheads_kv, d, shape.kv_group, 1.0)
@@ -141,13 +143,14 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
 
 
 def _convert(config, device_id, stream, acc: TensorInfo, out: TensorInfo, batch, seqlen, nheads, head_dim, group,
-             scale, heads_major=False):
+             scale, heads_major=False, col_swizzle=0):
     """out <- scale * acc summed over each group of `group` heads; acc is (b, s, h, d), or
-    (b, h, s_padded, d) when heads_major."""
+    (b, h, s_padded, d) when heads_major; its columns permuted by `col_swizzle` (KernelConfig.dq_column_swizzle)."""
     batch_stride, row_stride, head_stride = acc.strides[:3]
     if heads_major:
         row_stride, head_stride = head_stride, row_stride
     work = seqlen * nheads * (head_dim // 2)
     _launch(config, device_id, stream, (math.ceil(work / _ELEMENTWISE_THREADS), batch),
             (_ptr(acc.data_ptr), _ptr(out.data_ptr), _i64(batch_stride), _i64(row_stride), _i64(head_stride),
-             *_strides3(out), _i32(seqlen), _i32(nheads), _i32(head_dim), _i32(group), _f32(scale)))
+             *_strides3(out), _i32(seqlen), _i32(nheads), _i32(head_dim), _i32(group), _f32(scale),
+             _i32(col_swizzle)))

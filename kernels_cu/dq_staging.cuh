@@ -7,7 +7,9 @@
 #pragma once
 #include "ptx.cuh"
 
-template <int kBlockM, int kHeadDim>
+// kSwizzle: permute columns as swizzled_col says (the host passes the same choice to the convert
+// kernel: KernelConfig.dq_column_swizzle in cuflash2/config.py).
+template <int kBlockM, int kHeadDim, bool kSwizzle>
 struct DqStaging {
     static constexpr int kBufferBytes = kBlockM * kHeadDim * 4;
     static constexpr int kBytes = 2 * kBufferBytes;
@@ -25,13 +27,24 @@ struct DqStaging {
 #endif
     }
 
+    // Where a column lands in a staged row, and in the global accumulator, which the bulk reduction
+    // fills byte for byte (flash_bwd_convert_kernel undoes it). Unswizzled, the 8 rows of a fragment
+    // store hit the same banks (8 wavefronts per warp store); moving each pair (col, col + 1) by
+    // 8 * (row % 4) columns spreads them over all 32 banks (2 wavefronts). Only when head_dim is a
+    // multiple of 32, so that a moved column stays inside its row. It costs registers (the offsets
+    // of a store are no longer immediates): the fused kernel at head dim 128 has none to spare.
+    CF_DEVICE int swizzled_col(int row, int col) const {
+        const int mask = kSwizzle && row_bytes % 128 == 0 ? 24 : 0;
+        return col ^ (mask & ((row % 4) * 8));
+    }
+
     // Rows (row, row + 8), columns (col, col + 1) of an MMA accumulator fragment (padded columns
-    // past head_dim are dropped). Rows of 8 lanes hit the same banks: 8 wavefronts per store, few
-    // next to the operand traffic of the GEMMs.
+    // past head_dim are dropped).
     CF_DEVICE void store_fragment(u32 buf, int row, int col, const float (&frag)[4]) const {
         if (col * 4 >= row_bytes) return;
-        st_shared_f32x2(buf + row * row_bytes + col * 4, frag[0], frag[1]);
-        st_shared_f32x2(buf + (row + 8) * row_bytes + col * 4, frag[2], frag[3]);
+        const int byte = swizzled_col(row, col) * 4;  // the same for row + 8
+        st_shared_f32x2(buf + row * row_bytes + byte, frag[0], frag[1]);
+        st_shared_f32x2(buf + (row + 8) * row_bytes + byte, frag[2], frag[3]);
     }
 
     // Adds the staged block to dq_block[0 : kBlockM * head_dim] (rows past the sequence's end land

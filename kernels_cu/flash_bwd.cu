@@ -24,7 +24,7 @@ struct BwdTraits {
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using DsTile = SwizzledTile<kBlockN, kBlockM>;  // dS^T
-    using DqStage = DqStaging<kBlockM, kHeadDim>;
+    using DqStage = DqStaging<kBlockM, kHeadDim, true>;
     static constexpr int kQStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
     static constexpr int kSmemBytes =
         2 * KTile::kBytes + kStages * kQStageBytes + (kDq ? DsTile::kBytes + DqStage::kBytes : 0);

@@ -32,7 +32,7 @@ struct FusedBwdTraits {
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using PTile = SwizzledTile<kBlockN, kBlockM>;   // P^T and dS^T
-    using DqStage = DqStaging<kBlockM, kHeadDim>;
+    using DqStage = DqStaging<kBlockM, kHeadDim, kHeadDim != 128>;  // no registers to swizzle at 128
     static constexpr int kQStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
     static constexpr int kSmemBytes = 2 * KTile::kBytes + 2 * kQStageBytes + 2 * PTile::kBytes + DqStage::kBytes;
     static_assert(kNWarps == 8 && kWarpKeys == 32, "4 key groups x 2 halves of 32-key warps");

@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(256)
 flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
                          i64 acc_batch_stride, i64 acc_row_stride, i64 acc_head_stride,
                          i64 out_batch_stride, i64 out_row_stride, i64 out_head_stride,
-                         int seqlen, int nheads, int head_dim, int group, float scale) {
+                         int seqlen, int nheads, int head_dim, int group, float scale, int col_swizzle) {
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // over (row, head, column pair) of one batch
     const int batch = blockIdx.y;
     const int pairs = head_dim / 2;
@@ -50,7 +50,9 @@ flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
     const int c = (int)(idx % pairs) * 2;
     const int head = (int)((idx / pairs) % nheads);
     const int row = (int)(idx / ((i64)pairs * nheads));
-    const float* src = acc + batch * acc_batch_stride + row * acc_row_stride + (i64)head * group * acc_head_stride + c;
+    // col_swizzle: the dQ accumulator's column permutation (DqStaging::swizzled_col), 0 for none
+    const int c_acc = c ^ (col_swizzle & ((row % 4) * 8));
+    const float* src = acc + batch * acc_batch_stride + row * acc_row_stride + (i64)head * group * acc_head_stride + c_acc;
     float x = 0.f, y = 0.f;
     for (int g = 0; g < group; ++g) {
         const float2 pair = *reinterpret_cast<const float2*>(src + g * acc_head_stride);

@@ -1,6 +1,6 @@
-"""One backward pass each of cuflash2 (default plan, then the atomic-dQ plan) and torch's FA2, for a
+"""One backward pass each of cuflash2 (default plan, the atomic-dQ plan, the fused plan) and torch's FA2, for a
 profiler to attach to (d128, seqlen 4k, bf16 unless told otherwise):
-    ncu --clock-control none -k regex:'flash_bwd_kernel|flash_bwd_dq_kernel|dq_dk_dv' \\
+    ncu --clock-control none -k regex:'flash_bwd|dq_dk_dv' \\
         --section SpeedOfLight --section WarpStateStats python tests/profile_bwd.py [head_dim] [causal]
 """
 
@@ -13,6 +13,7 @@ import torch
 
 import cuflash2
 from cuflash2 import launch
+from cuflash2.config import fused_backward_supported, head_dim_bucket
 from cuflash2.interop import describe
 from cuflash2.validate import AttentionShape
 
@@ -30,6 +31,8 @@ def main():
     stream = cp.cuda.get_current_stream()
     for atomic_dq in (False, True):
         launch.backward(*infos, shape, causal, False, 0, stream, atomic_dq)
+    if fused_backward_supported(head_dim_bucket(head_dim), 90, causal=causal):  # the one-pass plan too
+        launch.backward(*infos, shape, causal, False, 0, stream, fused=True)
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)

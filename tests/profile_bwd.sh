@@ -5,7 +5,7 @@ OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 for dim in ${DIMS:-128 64}; do
-    ncu --clock-control none -k regex:'flash_bwd_kernel|flash_bwd_dq_kernel|dq_dk_dv' \
+    ncu --clock-control none -k regex:'flash_bwd_kernel|flash_bwd_dq_kernel|flash_bwd_fused|dq_dk_dv' \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
         --section WarpStateStats --section Occupancy --section LaunchStats \
         python tests/profile_bwd.py "$dim" > "$OUT/ncu-bwd-d$dim.txt" 2>&1

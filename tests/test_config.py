@@ -311,9 +311,9 @@ def test_backward_smem_includes_dq_staging():
 
 
 def test_fused_backward_default_and_limits():
-    """The one-pass backward is the default only where it was measured faster (head-dim bucket 128
-    on sm_90, plain, non-deterministic, not causal GQA), is available at head dim 64 on request, and is
-    refused with a clear error elsewhere."""
+    """The one-pass backward is the default only where it was measured faster (head-dim buckets 64
+    and 128 on sm_90, plain, non-deterministic, not causal GQA at 128), and is refused with a clear
+    error elsewhere."""
     def main(**kw):
         return config.backward_plan(**{"dtype": "bf16", "causal": False, "arch": 90, **kw}).main
 
@@ -323,8 +323,10 @@ def test_fused_backward_default_and_limits():
     for head_dim in (104, 120):  # padded columns of the 128 bucket: the same kernel, measured faster too
         assert [c.kernel for c in main(head_dim=head_dim)] == [config.BWD_FUSED]
     assert main(head_dim=128, gqa=True)[0].flags == (True,)  # fp32 dK/dV, summed over the group later
-    # not the default: causal GQA at 128, head dim 64, deterministic, variant, sm_80, explicit plans
-    for kw in ({"causal": True, "gqa": True}, {"head_dim": 64}, {"deterministic": True}, {"variant": True},
+    assert [c.kernel for c in main(head_dim=64, causal=True, gqa=True)] == [config.BWD_FUSED]  # fits at 64
+    # not the default: causal GQA at 128, head dim 32 or 96, deterministic, variant, sm_80, explicit plans
+    for kw in ({"causal": True, "gqa": True}, {"head_dim": 32}, {"head_dim": 96}, {"deterministic": True},
+               {"variant": True},
                {"arch": 80}, {"atomic_dq": True}, {"atomic_dq": False}, {"split": True}):
         assert config.BWD_FUSED not in [c.kernel for c in main(**{"head_dim": 128, **kw})], kw
     assert [c.kernel for c in main(head_dim=64, fused=True)] == [config.BWD_FUSED]

@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import pytest
 
-from cuflash2 import kvcache, launch, packed_launch
+from cuflash2 import config, kvcache, launch, packed_launch
 from cuflash2.validate import TensorInfo
 
 
@@ -88,3 +88,32 @@ def test_decode_plan_fills_in_each_calls_addresses(h200):
         assert launch_args[index] == pointers[name]
     assert launch_args[0] == pointers["q"] and launch_args[3] == pointers["out"]
     assert sent[0][1][1:] == (8, 4)  # GQA decoding: one row block per kv head (query heads as rows)
+
+
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 96, 120, 128, 256])
+def test_dq_accumulator_swizzle_permutes_within_rows_and_spreads_banks(head_dim):
+    """The dQ staging swizzle (mirrored by the convert kernel) must be a permutation of each row's
+    column pairs, and must put a warp's fragment store (8 rows x 4 lanes x 2 floats) on all 32
+    banks: 2 wavefronts of 128 bytes instead of 8."""
+    plan = config.backward_plan(head_dim, "bf16", False, 90, atomic_dq=True)
+    mask = next(c for c in plan.main if c.accumulates_dq).dq_column_swizzle(head_dim)
+    pairs = np.arange(0, head_dim, 2)
+    for row in range(8):
+        moved = pairs ^ (mask & ((row % 4) * 8))
+        assert sorted(moved) == list(pairs)
+    if head_dim % 32:
+        assert mask == 0
+        return
+    row_words = head_dim  # fp32 words per staged row
+    for first_col in range(0, head_dim, 8):  # one MMA column tile: lanes hold cols first_col + 2 * (lane % 4)
+        banks = [((row * row_words + ((first_col + 2 * (lane % 4)) ^ (mask & ((row % 4) * 8)))) % 32) // 2
+                 for lane in range(32) for row in [lane // 4]]
+        assert max(banks.count(b) for b in set(banks)) == 2  # each 8-byte bank pair serves 2 lanes
+
+
+def test_fused_kernel_at_head_dim_128_keeps_the_plain_dq_layout():
+    fused = config.backward_plan(128, "bf16", False, 90).main[0]
+    assert fused.kernel == config.BWD_FUSED and fused.dq_column_swizzle(128) == 0
+    assert config.fused_backward_config(64, "bf16", False, False).dq_column_swizzle(64) == 24
+    assert config.backward_plan(64, "bf16", False, 90).main[0].dq_column_swizzle(64) == 24  # fused at 64
+    assert config.backward_plan(64, "bf16", False, 90, deterministic=True).main[0].dq_column_swizzle(64) == 0
