@@ -176,6 +176,14 @@ def check_concrete(name: str, *arrays) -> None:
                                   "jax.vmap; call without it there")
 
 
+def check_dropout_seed(dropout_p, dropout_seed, *arrays) -> None:
+    """Under jax.jit the seed is fixed when the function is traced: a seed drawn then would give every
+    call of the compiled function the same mask, so a traced call must name its seed."""
+    if dropout_p and dropout_seed is None and any(isinstance(x, jax.core.Tracer) for x in arrays):
+        raise ValueError("dropout_seed: expected an int under jax.jit / jax.grad (the seed is fixed at trace "
+                         "time, so a seed drawn there would repeat the same mask on every call), got None")
+
+
 # ---- varlen -------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

@@ -116,7 +116,10 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
         keep.append(dq_acc)
         dq_acc_ptr = dq_acc_i.data_ptr
     if gqa:  # per-query-head fp32 dK/dV, summed over each group by the conversion kernel
-        (dk_acc, dk_t), (dv_acc, dv_t) = _scratch(cp, (b, sk, h, d)), _scratch(cp, (b, sk, h, d))
+        # Varlen: packed rows outside every sequence are never written by the main kernel, but the
+        # conversion reads all of them, so the scratch starts at zero there.
+        zero = features.varlen
+        (dk_acc, dk_t), (dv_acc, dv_t) = _scratch(cp, (b, sk, h, d), zero=zero), _scratch(cp, (b, sk, h, d), zero=zero)
         keep += [dk_acc, dv_acc]
         dk_strides = dv_strides = [_i64(0)] * 3  # the kernel knows the contiguous fp32 layout
     else:

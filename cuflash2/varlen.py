@@ -51,6 +51,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise TypeError("out: JAX arrays are immutable; out= is not supported with JAX inputs")
         if return_attn_probs:  # built outside XLA (below): fail before the launch when traced
             jax_ops.check_concrete("return_attn_probs", q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+        jax_ops.check_dropout_seed(dropout_p, dropout_seed, q, k, v, cu_seqlens_q, cu_seqlens_k)
         out, lse = jax_ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
                                           dropout)
