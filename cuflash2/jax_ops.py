@@ -147,6 +147,21 @@ def _attention_bwd(softmax_scale, causal, options, deterministic, residuals, cot
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _static_flags(**flags) -> tuple[bool, ...]:
+    """The flags as Python bools: they select kernels at trace time, so a traced value cannot be used."""
+    for name, value in flags.items():
+        if isinstance(value, jax.core.Tracer):
+            raise TypeError(f"{name}: expected a Python bool (static under jax.jit), got a traced {type(value).__name__}")
+    return tuple(bool(value) for value in flags.values())
+
+
+def _check_jax_inputs(**arrays) -> None:
+    """k, v (and the other tensors) must be JAX arrays like q: NumPy arrays would be uploaded silently."""
+    for name, x in arrays.items():
+        if x is not None and not isinstance(x, jax.Array):
+            raise TypeError(f"{name}: expected a JAX array like q, got {type(x).__name__}")
+
+
 def _options(shape: AttentionShape, window, softcap, alibi_slopes, dropout):
     """(slopes array (a zero-size dummy when off), static options) of a call."""
     if alibi_slopes is None:
@@ -162,9 +177,11 @@ def _options(shape: AttentionShape, window, softcap, alibi_slopes, dropout):
 def forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic, dropout=NO_DROPOUT):
     """(out, softmax_lse), differentiable with respect to q, k, v; traceable under jit. `dropout` is
     (p, seed, offset), already checked (api.resolve_dropout)."""
+    _check_jax_inputs(k=k, v=v)
+    causal, deterministic = _static_flags(causal=causal, deterministic=deterministic)
     shape = _shape_of(q, k, v, softmax_scale)
     alibi, options = _options(shape, window, softcap, alibi_slopes, dropout)
-    return _attention(q, k, v, alibi, softmax_scale, bool(causal), options, bool(deterministic))
+    return _attention(q, k, v, alibi, softmax_scale, causal, options, deterministic)
 
 
 def check_concrete(name: str, *arrays) -> None:
@@ -339,6 +356,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     """(out (total_q, nheads, d), softmax_lse (nheads, total_q)) of a varlen call, differentiable
     with respect to q, k, v; traceable under jit. max_seqlen_q/k are checked ints, `dropout` is
     (p, seed, offset), already checked."""
+    _check_jax_inputs(k=k, v=v)
     infos = [_check_packed_dims(name, x) for name, x in (("q", q), ("k", k), ("v", v))]
     # the packed tensors as one batch entry: validate_qkv's checks of dtypes, heads and head dim
     one = validate_qkv(*(as_batched(i, 1, i.shape[0]) for i in infos), softmax_scale, check_pointers=False)
@@ -351,4 +369,5 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     cu_q, covers_q = _checked_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, batch)
     cu_k, covers_k = _checked_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, batch)
     problem = VarlenProblem(shape, total_q, total_k, prefill=not (covers_q and covers_k))
-    return _varlen_attention(q, k, v, cu_q, cu_k, alibi, problem, bool(causal), options, bool(deterministic))
+    causal, deterministic = _static_flags(causal=causal, deterministic=deterministic)
+    return _varlen_attention(q, k, v, cu_q, cu_k, alibi, problem, causal, options, deterministic)

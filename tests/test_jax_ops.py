@@ -92,12 +92,11 @@ def test_dropout_backward_gets_the_forward_seed():
     q = jnp.zeros((2, 50, 4, 64), jnp.float16)
 
     def loss(q):
-        return cuflash2.flash_attn_func(q, q, q, dropout_p=0.2, causal=True).astype(jnp.float32).sum()
+        return cuflash2.flash_attn_func(q, q, q, dropout_p=0.2, causal=True, dropout_seed=77).astype(jnp.float32).sum()
 
     forward, backward = _callbacks(jax.grad(loss), q)
     assert forward.keywords["options"] == backward.keywords["options"]
-    p, seed, offset = forward.keywords["options"][3]
-    assert (p, offset) == (0.2, 0) and 0 <= seed < 2**63  # drawn on the host (dropout_seed=None)
+    assert forward.keywords["options"][3] == (0.2, 77, 0)
     seeded = _callbacks(lambda q: cuflash2.flash_attn_func(q, q, q, dropout_p=0.2, dropout_seed=9), q)
     assert seeded[0].keywords["options"][3] == (0.2, 9, 0)
 
@@ -146,3 +145,17 @@ def test_traced_calls_reject_what_needs_concrete_arrays():
             lambda: jax.jit(lambda q: cuflash2.flash_attn_func(q, q, q, dropout_p=0.1, return_attn_probs=True))(dense))
     _raises(TypeError, "dropout_seed: expected an int",
             lambda: jax.jit(lambda q, s: cuflash2.flash_attn_func(q, q, q, dropout_p=0.1, dropout_seed=s))(dense, 3))
+
+
+def test_static_flags_and_array_types_are_checked_before_tracing_further():
+    q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+    with pytest.raises(TypeError, match="causal: expected a Python bool"):
+        jax.make_jaxpr(lambda q, c: cuflash2.flash_attn_func(q, q, q, causal=c))(q, True)
+    with pytest.raises(TypeError, match="k: expected a JAX array like q, got ndarray"):
+        jax.make_jaxpr(lambda q: cuflash2.flash_attn_func(q, np.zeros((1, 16, 2, 64), np.float16), q))(q)
+    with pytest.raises(ValueError, match="dropout_seed: expected an int under jax.jit"):
+        jax.make_jaxpr(lambda q: cuflash2.flash_attn_func(q, q, q, dropout_p=0.1))(q)
+    vq, vk, cu_q, cu_k = _varlen_inputs()
+    with pytest.raises(TypeError, match="deterministic: expected a Python bool"):
+        jax.make_jaxpr(lambda q, k, d: cuflash2.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 60, 30,
+                                                                        deterministic=d))(vq, vk, False)
