@@ -105,9 +105,15 @@ def check_alibi(info: TensorInfo, batch: int, nheads: int, device: str) -> None:
     expect(info.device == device, lambda: f"alibi_slopes: expected device {device} (same as q), got {info.device}")
 
 
-def check_cu_seqlens(name: str, info: TensorInfo, values, total: int, max_seqlen: int, batch: int | None,
-                     device: str) -> int:
-    """Checks cumulative sequence lengths (values: a host copy); returns the batch size."""
+def check_packed_dims(name: str, info: TensorInfo) -> None:
+    """A varlen tensor: (total_seqlen, nheads, headdim)."""
+    expect(len(info.shape) == 3,
+           lambda: f"{name}: expected 3 dims (total_seqlen, nheads, headdim), got shape {info.shape}")
+
+
+def check_cu_seqlens_layout(name: str, info: TensorInfo, batch: int | None, device: str) -> int:
+    """What is static about cumulative sequence lengths (dtype, shape, layout, device, batch);
+    returns the batch size."""
     expect(info.dtype == "int32", lambda: f"{name}: expected dtype int32, got {info.dtype}", TypeError)
     expect(len(info.shape) == 1 and info.shape[0] >= 2,
             lambda: f"{name}: expected shape (batch + 1,) with batch >= 1, got {info.shape}")
@@ -116,6 +122,13 @@ def check_cu_seqlens(name: str, info: TensorInfo, values, total: int, max_seqlen
     n = info.shape[0] - 1
     if batch is not None:
         expect(n == batch, lambda: f"{name}: expected {batch + 1} entries (same batch as cu_seqlens_q), got {n + 1}")
+    return n
+
+
+def check_cu_seqlens(name: str, info: TensorInfo, values, total: int, max_seqlen: int, batch: int | None,
+                     device: str) -> int:
+    """Checks cumulative sequence lengths (values: a host copy); returns the batch size."""
+    n = check_cu_seqlens_layout(name, info, batch, device)
     values = np.asarray(values, dtype=np.int64)
     expect(values[0] == 0, lambda: f"{name}: expected the first entry to be 0, got {values[0]}")
     lengths = np.diff(values)

@@ -30,7 +30,15 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from . import interop, launch
 from .api import _check_grid, _fill
-from .features import Features, as_batched, check_alibi, check_cu_seqlens, varlen_shape
+from .features import (
+    Features,
+    as_batched,
+    check_alibi,
+    check_cu_seqlens,
+    check_cu_seqlens_layout,
+    check_packed_dims,
+    varlen_shape,
+)
 from .validate import AttentionShape, TensorInfo, expect, validate_qkv
 
 NO_DROPOUT = (0.0, 0, 0)
@@ -322,8 +330,7 @@ _varlen_attention.defvjp(_varlen_attention_fwd, _varlen_attention_bwd)
 
 def _check_packed_dims(name: str, x) -> TensorInfo:
     info = _contiguous_info(x.shape, x.dtype)
-    expect(len(info.shape) == 3,
-           lambda: f"{name}: expected 3 dims (total_seqlen, nheads, headdim), got shape {info.shape}")
+    check_packed_dims(name, info)
     return info
 
 
@@ -331,14 +338,7 @@ def _cu_seqlens_batch(name: str, x, batch: int | None) -> int:
     """Checks what is static about cu_seqlens (type, dtype, shape); returns the batch size."""
     expect(isinstance(x, jax.Array), lambda: f"{name}: expected a JAX int32 array like q, got {type(x).__name__}",
            TypeError)
-    expect(np.dtype(x.dtype) == np.int32, lambda: f"{name}: expected dtype int32, got {np.dtype(x.dtype).name}",
-           TypeError)
-    expect(x.ndim == 1 and x.shape[0] >= 2,
-           lambda: f"{name}: expected shape (batch + 1,) with batch >= 1, got {tuple(x.shape)}")
-    n = x.shape[0] - 1
-    if batch is not None:
-        expect(n == batch, lambda: f"{name}: expected {batch + 1} entries (same batch as cu_seqlens_q), got {n + 1}")
-    return n
+    return check_cu_seqlens_layout(name, _contiguous_info(x.shape, x.dtype), batch, "cuda")
 
 
 def _checked_cu_seqlens(name: str, x, total: int, max_seqlen: int, batch: int):

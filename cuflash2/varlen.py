@@ -20,7 +20,15 @@ from . import interop, launch, reference
 from . import dropout as dropout_rng
 from .backward import gradient_outputs
 from .api import _check_grid, _fill, _probs, gpu_features, numpy_alibi, resolve_dropout
-from .features import as_batched, check_cu_seqlens, check_max_seqlen, check_softcap, check_window, varlen_shape
+from .features import (
+    as_batched,
+    check_cu_seqlens,
+    check_max_seqlen,
+    check_packed_dims,
+    check_softcap,
+    check_window,
+    varlen_shape,
+)
 from .validate import AttentionShape, TensorInfo, check_alignment, validate_qkv
 
 
@@ -104,11 +112,6 @@ class _VarlenCall:
     covers_all_rows: bool  # cu_seqlens_q[-1] == total_q and cu_seqlens_k[-1] == total_k
 
 
-def _check_packed_dims(name: str, info: TensorInfo) -> None:
-    if len(info.shape) != 3:
-        raise ValueError(f"{name}: expected 3 dims (total_seqlen, nheads, headdim), got shape {info.shape}")
-
-
 def _as_one_batch(info: TensorInfo) -> TensorInfo:
     return dataclasses.replace(info, shape=(1, *info.shape), strides=(0, *info.strides))
 
@@ -116,7 +119,7 @@ def _as_one_batch(info: TensorInfo) -> TensorInfo:
 def _validate(q, k, v, softmax_scale, cu_q: TensorInfo, cu_q_values, cu_k: TensorInfo, cu_k_values, max_seqlen_q,
               max_seqlen_k, check_pointers: bool) -> _VarlenCall:
     for name, info in (("q", q), ("k", k), ("v", v)):
-        _check_packed_dims(name, info)
+        check_packed_dims(name, info)
     one = validate_qkv(_as_one_batch(q), _as_one_batch(k), _as_one_batch(v), softmax_scale,
                        check_pointers=check_pointers)
     total_q, total_k = q.shape[0], k.shape[0]
