@@ -49,11 +49,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     elif framework == "jax":  # differentiable, jit-able (custom_vjp over buffer_callback)
         from . import jax_ops
 
-        if out is not None:
-            raise TypeError("out: JAX arrays are immutable; out= is not supported with JAX inputs")
-        if return_attn_probs:  # built outside XLA (below): fail before the launch when traced
-            jax_ops.check_concrete("return_attn_probs", q, k, v, alibi_slopes)
-        jax_ops.check_dropout_seed(dropout_p, dropout_seed, q, k, v)
+        jax_ops.check_call(out, return_attn_probs, dropout_p, dropout_seed, q, k, v, alibi_slopes)
         out, lse = jax_ops.forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
                                    dropout)
     else:

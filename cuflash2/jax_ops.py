@@ -201,6 +201,16 @@ def check_concrete(name: str, *arrays) -> None:
                                   "jax.vmap; call without it there")
 
 
+def check_call(out, return_attn_probs, dropout_p, dropout_seed, *arrays) -> None:
+    """What a JAX call cannot do, refused before any tracing of the kernels: `out=` (JAX arrays are
+    immutable), attention probabilities of traced arrays, a seed drawn at trace time."""
+    if out is not None:
+        raise TypeError("out: JAX arrays are immutable; out= is not supported with JAX inputs")
+    if return_attn_probs:  # built outside XLA: fail before the launch when traced
+        check_concrete("return_attn_probs", *arrays)
+    check_dropout_seed(dropout_p, dropout_seed, *arrays)
+
+
 def check_dropout_seed(dropout_p, dropout_seed, *arrays) -> None:
     """Under jax.jit the seed is fixed when the function is traced: a seed drawn then would give every
     call of the compiled function the same mask, so a traced call must name its seed."""

@@ -55,11 +55,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     elif framework == "jax":  # differentiable, jit-able; cu_seqlens values are checked only outside jit
         from . import jax_ops
 
-        if out is not None:
-            raise TypeError("out: JAX arrays are immutable; out= is not supported with JAX inputs")
-        if return_attn_probs:  # built outside XLA (below): fail before the launch when traced
-            jax_ops.check_concrete("return_attn_probs", q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
-        jax_ops.check_dropout_seed(dropout_p, dropout_seed, q, k, v, cu_seqlens_q, cu_seqlens_k)
+        jax_ops.check_call(out, return_attn_probs, dropout_p, dropout_seed, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                           alibi_slopes)
         out, lse = jax_ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
                                           dropout)

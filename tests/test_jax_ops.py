@@ -155,7 +155,11 @@ def test_static_flags_and_array_types_are_checked_before_tracing_further():
         jax.make_jaxpr(lambda q: cuflash2.flash_attn_func(q, np.zeros((1, 16, 2, 64), np.float16), q))(q)
     with pytest.raises(ValueError, match="dropout_seed: expected an int under jax.jit"):
         jax.make_jaxpr(lambda q: cuflash2.flash_attn_func(q, q, q, dropout_p=0.1))(q)
+    with pytest.raises(TypeError, match="out: JAX arrays are immutable"):
+        cuflash2.flash_attn_func(q, q, q, out=q)
     vq, vk, cu_q, cu_k = _varlen_inputs()
+    with pytest.raises(TypeError, match="out: JAX arrays are immutable"):
+        cuflash2.flash_attn_varlen_func(vq, vk, vk, cu_q, cu_k, 60, 30, out=vq)
     with pytest.raises(TypeError, match="deterministic: expected a Python bool"):
         jax.make_jaxpr(lambda q, k, d: cuflash2.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 60, 30,
                                                                         deterministic=d))(vq, vk, False)

@@ -117,3 +117,31 @@ def test_fused_kernel_at_head_dim_128_keeps_the_plain_dq_layout():
     assert config.fused_backward_config(64, "bf16", False, False).dq_column_swizzle(64) == 24
     assert config.backward_plan(64, "bf16", False, 90).main[0].dq_column_swizzle(64) == 24  # fused at 64
     assert config.backward_plan(64, "bf16", False, 90, deterministic=True).main[0].dq_column_swizzle(64) == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("variant", [False, True])
+def test_forward_launch_arguments_pack(monkeypatch, causal, variant):
+    """Every argument launch.forward passes has a packable numpy type (a Python int or float would
+    be refused by the packed launch at run time, on the GPU only)."""
+    from cuflash2.features import Features
+    from cuflash2.validate import AttentionShape
+
+    monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
+    sent = []
+    monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args: sent.append((config, args)))
+    q = _info((2, 100, 8, 64))
+    kv = _info((2, 120, 2, 64))
+    lse = _info((2, 8, 100), "float32", 4)
+    features = Features(window_left=16, softcap=5.0) if variant else Features()
+    shape = AttentionShape(2, 100, 120, 8, 2, 64, "bfloat16", 0.125)
+    launch.forward(q, kv, kv, q, lse, shape, causal, 0, None, features=features)
+    (config, args), = sent
+    assert config.variant == variant
+    assert len(packed_launch.pack_slots(tuple(args))) == packed_launch.SLOT_BYTES * len(args)
+
+
+def test_decode_plan_arguments_pack(h200):
+    plan = kvcache._make_plan(0, _decode_infos(paged=True, rotary=True), None, True, (-1, -1), 0.0, False, 0)
+    for step in plan.launches:
+        assert len(packed_launch.pack_slots(step.args)) == packed_launch.SLOT_BYTES * len(step.args)
