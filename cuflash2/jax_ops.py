@@ -39,18 +39,14 @@ from .features import (
     check_packed_dims,
     varlen_shape,
 )
-from .validate import AttentionShape, TensorInfo, expect, validate_qkv
+from .validate import AttentionShape, TensorInfo, contiguous_info, expect, validate_qkv
 
 NO_DROPOUT = (0.0, 0, 0)
 
 
 def _contiguous_info(shape, dtype, ptr: int = 0) -> TensorInfo:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
     dtype = np.dtype(dtype)
-    return TensorInfo(tuple(shape), tuple(reversed(strides)), dtype.name, "cuda", ptr, dtype.itemsize)
+    return contiguous_info(shape, dtype.name, dtype.itemsize, "cuda", ptr)
 
 
 def _buffer_info(buffer, shape, dtype) -> TensorInfo:

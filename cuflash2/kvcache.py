@@ -31,6 +31,7 @@ from .validate import (
     AttentionShape,
     TensorInfo,
     check_alignment,
+    contiguous_info,
     expect,
     softmax_scale_or_default,
     validate_qkv,
@@ -201,8 +202,7 @@ def _symbolic(name: str, info: TensorInfo | None) -> TensorInfo | None:
 
 
 def _contiguous(name: str, shape: tuple, dtype: str, itemsize: int) -> TensorInfo:
-    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return _symbolic(name, TensorInfo(tuple(shape), strides, dtype, "", 0, itemsize))
+    return _symbolic(name, contiguous_info(shape, dtype, itemsize))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,12 @@ class TensorInfo:
     itemsize: int = 2
 
 
+def contiguous_info(shape, dtype: str, itemsize: int, device: str = "", data_ptr: int = 0) -> TensorInfo:
+    """TensorInfo of a dense row-major array of this shape."""
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return TensorInfo(tuple(shape), strides, dtype, device, data_ptr, itemsize)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionShape:
     batch: int

@@ -1,7 +1,9 @@
 // Shared by the two dK/dV backward kernels (flash_bwd.cu, flash_bwd_fused.cu): their argument list
-// (the host launches either with the same arguments) and the store of dK/dV accumulator rows.
+// (the host launches either with the same arguments), the load of one query block's stage and the
+// store of dK/dV accumulator rows.
 #pragma once
 #include "ptx.cuh"
+#include "smem_tile.cuh"
 #include "variant.cuh"
 
 #define CF_BWD_MAIN_PARAMS                                                                                   \
@@ -39,4 +41,19 @@ CF_DEVICE void store_fragment_rows(const float (&acc)[kMT][kTiles][4], void* out
                 }
             }
         }
+}
+
+// One query block's stage: Q and dO rows [row0, row0 + kBlockM) (zero-filled from rows_left on),
+// then the block's LSE and D values (fp32, kBlockM each) right after the two tiles.
+template <class QTile, int kBlockM, int kThreads, class QLoader>
+CF_DEVICE void load_query_stage(u32 stage, const QLoader& q_loader, const QLoader& do_loader, const u16* q_rows,
+                                const u16* do_rows, const float* lse_head, const float* delta_head, int row0,
+                                int rows_left, int head_dim, int tid) {
+    q_loader.load(stage, q_rows, rows_left, head_dim);
+    do_loader.load(stage + QTile::kBytes, do_rows, rows_left, head_dim);
+    for (int i = tid; i < 2 * kBlockM; i += kThreads) {
+        const int row = i % kBlockM;
+        const float* src = (i < kBlockM ? lse_head : delta_head) + row0 + row;
+        cp_async_4(stage + 2 * QTile::kBytes + i * 4, row < rows_left ? src : lse_head, row < rows_left);
+    }
 }

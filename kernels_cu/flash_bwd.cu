@@ -86,13 +86,9 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
         if (m_block < m_end) {
             const u32 stage = stage0 + ((m_block - m_begin) % kStages) * Tr::kQStageBytes;
             const int row0 = m_block * kBlockM, rows_left = seq.seqlen_q - row0;
-            q_loader.load(stage, q_head + (i64)row0 * q_row_stride, rows_left, head_dim);
-            do_loader.load(stage + Tr::QTile::kBytes, do_head + (i64)row0 * do_row_stride, rows_left, head_dim);
-            for (int i = tid; i < 2 * kBlockM; i += Tr::kThreads) {
-                const int row = i % kBlockM;
-                const float* src = (i < kBlockM ? lse_head : delta_head) + row0 + row;
-                cp_async_4(stage + 2 * Tr::QTile::kBytes + i * 4, row < rows_left ? src : lse_head, row < rows_left);
-            }
+            load_query_stage<typename Tr::QTile, kBlockM, Tr::kThreads>(
+                stage, q_loader, do_loader, q_head + (i64)row0 * q_row_stride, do_head + (i64)row0 * do_row_stride,
+                lse_head, delta_head, row0, rows_left, head_dim, tid);
         }
         cp_async_commit();
     };

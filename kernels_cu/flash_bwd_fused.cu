@@ -85,13 +85,9 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
             const u16* do_head = dout + batch * do_batch_stride + head * do_head_stride;
             const float* lse_head = lse + seq.lse_offset(head);
             const float* delta_head = delta + seq.lse_offset(head);
-            q_loader.load(stage, q_head + (i64)row0 * q_row_stride, rows_left, head_dim);
-            do_loader.load(stage + Tr::QTile::kBytes, do_head + (i64)row0 * do_row_stride, rows_left, head_dim);
-            for (int i = tid; i < 2 * kBlockM; i += Tr::kThreads) {
-                const int row = i % kBlockM;
-                const float* src = (i < kBlockM ? lse_head : delta_head) + row0 + row;
-                cp_async_4(stage + 2 * Tr::QTile::kBytes + i * 4, row < rows_left ? src : lse_head, row < rows_left);
-            }
+            load_query_stage<typename Tr::QTile, kBlockM, Tr::kThreads>(
+                stage, q_loader, do_loader, q_head + (i64)row0 * q_row_stride, do_head + (i64)row0 * do_row_stride,
+                lse_head, delta_head, row0, rows_left, head_dim, tid);
         }
         cp_async_commit();
     };
