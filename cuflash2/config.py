@@ -67,7 +67,7 @@ class KernelConfig:
     def smem_bytes(self) -> int:
         d, m, n = self.head_dim, self.block_m, self.block_n
         if self.kernel in (FWD, FWD_KVCACHE):
-            return m * d * 2 + self.stages * n * d * 2
+            return m * d * 2 + self.stages * n * d * 2 + self.forward_row_sums_bytes
         if self.kernel == BWD:
             with_dq = self.flags[2]
             dq_bytes = n * m * 2 + 2 * m * d * 4 if with_dq else 0  # dS^T tile, 2 fp32 dQ staging buffers
@@ -77,6 +77,15 @@ class KernelConfig:
         if self.kernel == BWD_FUSED:  # K, V; 2 stages of Q, dO, LSE, D; P^T, dS^T; 2 fp32 dQ buffers
             return 2 * n * d * 2 + 2 * (2 * m * d * 2 + 2 * m * 4) + 2 * n * m * 2 + 2 * m * d * 4
         return 0
+
+    @property
+    def forward_row_sums_bytes(self) -> int:
+        """Shared memory of the forward's running row sums, kept there (not in registers) when each
+        warp owns 32 query rows at head dim >= 128 (FwdTraits::kSumsInSmem in flash_fwd.cu)."""
+        if self.kernel not in (FWD, FWD_KVCACHE):
+            return 0
+        m_tiles = self.block_m // (16 * self.warps)
+        return self.threads * m_tiles * 2 * 4 if m_tiles >= 2 and self.head_dim >= 128 else 0
 
     def template_name(self) -> str:
         """The C++ name expression NVRTC instantiates and CuPy looks up."""
@@ -160,13 +169,14 @@ def _check_dtype(dtype: str) -> None:
 # (block_m, block_n, warps, stages) per head-dim bucket. With 4 warps each warp owns 32 query rows
 # (two MMA row tiles share every K/V fragment read from shared memory, halving that traffic); the
 # fp32 output accumulator then costs head_dim registers, so large head dims go to 8 warps. Head dim
-# 128: 128x128 with 8 warps measured as fast as 128x32 with 4 (308 TFLOP/s, H200, seqlen 4k) and
-# faster when causal (283 vs 264), and the 4-warp shape spills on sm_80 (BENCHMARKS.md).
+# 128 keeps 4 warps x 32 rows with 64-key blocks (FA2's tile) through FwdTraits::kTightRegisters:
+# shared-memory row sums, cursors rebuilt per key block and a separate masked loop make it
+# spill-free at 255 registers (BENCHMARKS.md, performance log item 16).
 _FWD_TILES_LARGE_SMEM = {
     32: (128, 128, 4, 2),
     64: (128, 64, 4, 3),
     96: (128, 32, 4, 2),
-    128: (128, 128, 8, 2),
+    128: (128, 64, 4, 2),
     160: (128, 64, 8, 2),
     192: (128, 64, 8, 2),
     224: (128, 64, 8, 2),
@@ -176,9 +186,11 @@ _FWD_TILES_LARGE_SMEM = {
 # live mask index), so causal calls use 32-key blocks (228 TFLOP/s, H200, seqlen 4k).
 _FWD_CAUSAL_TILES_LARGE_SMEM = {256: (128, 32, 8, 2)}
 # Variant kernels (window / softcap / ALiBi / varlen / dropout) keep more values live per element:
-# the 64-key tiles of head dims 224 and 256 spill there, 32-key blocks do not; head dim 64 needs 8
-# warps (16 rows each) once the dropout draws are in, and head dim 32 too on sm_80/sm_86.
-_FWD_VARIANT_TILES_LARGE_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 3), 224: (128, 32, 8, 2), 256: (128, 32, 8, 2)}
+# the 64-key tiles of head dims 224 and 256 spill there, 32-key blocks do not; head dims 64 and
+# 128 need 8 warps (16 rows each), 64 once the dropout draws are in, and head dim 32 too on
+# sm_80/sm_86.
+_FWD_VARIANT_TILES_LARGE_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 3), 128: (128, 128, 8, 2), 224: (128, 32, 8, 2),
+                                 256: (128, 32, 8, 2)}
 # 99 KB parts. ptxas for sm_86 allocates differently from sm_80/sm_90: head dims 128 and 256 spill
 # with the large-smem shapes, hence 8 warps for 128 and 32-key blocks for 256.
 _FWD_TILES_SMALL_SMEM = {

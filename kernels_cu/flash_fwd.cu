@@ -14,16 +14,23 @@
 #include "online_softmax.cuh"
 #include "warp_gemm.cuh"
 
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages_, bool kCausal>
 struct FwdTraits {
     static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kStages = kStages_;
     static constexpr int kMTiles = kBlockM / (16 * kNWarps);  // 16-row MMA tiles per warp
     static constexpr int kNTiles = kBlockN / 8;               // 8-key column tiles of S
     static constexpr int kDTiles = kHeadDim / 8;              // 8-wide column tiles of O
     static constexpr int kWarpRows = 16 * kMTiles;
     using QTile = SwizzledTile<kBlockM, kHeadDim>;
     using KVTile = SwizzledTile<kBlockN, kHeadDim>;
-    static constexpr int kSmemBytes = QTile::kBytes + kStages * KVTile::kBytes;
+    // With 32 rows per warp and head dims >= 128 the key loop needs all 255 registers (128 for the
+    // output, 64 for S). Such tiles keep their running row sums (touched once per key block) in
+    // shared memory, rebuild the ldmatrix addresses in every iteration, and run the masked key
+    // blocks in a loop of their own (flash_fwd_body).
+    static constexpr bool kTightRegisters = kMTiles >= 2 && kDTiles >= 16;
+    static constexpr int kSumsBytes = kTightRegisters ? kThreads * kMTiles * 2 * 4 : 0;
+    static constexpr int kSmemBytes = QTile::kBytes + kStages * KVTile::kBytes + kSumsBytes;
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row tiles");
     static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
     static_assert(kStages >= 2, "the K/V ring needs at least two slots");
@@ -116,21 +123,45 @@ CF_DEVICE void store_partial(const float (&acc_o)[Tr::kMTiles][Tr::kDTiles][4], 
         }
 }
 
+// Tight tiles: thread `tid`'s running row sums (after the Q tile and the K/V ring).
+template <class Tr>
+CF_DEVICE float* row_sums_of(char* smem, int tid) {
+    return reinterpret_cast<float*>(smem + Tr::QTile::kBytes + Tr::kStages * Tr::KVTile::kBytes) + tid;
+}
+
+// Which query block, split, head and batch entry a thread block computes, and that sequence's extent.
+struct FwdBlock {
+    int m_block, split, head, batch;
+    SeqRange seq;
+};
+
+template <int kBlockM, bool kCausal, bool kVariant, bool kKvCache>
+CF_DEVICE FwdBlock locate_block(int block_x, int head, int batch, int seqlen_q, int seqlen_k, const VariantArgs& va,
+                                const KvCacheArgs& kc) {
+    FwdBlock b;
+    // Split-KV packs (split, query block) into blockIdx.x.
+    const int m_blocks = kKvCache ? (seqlen_q + kBlockM - 1) / kBlockM : gridDim.x;
+    b.split = kKvCache ? block_x / m_blocks : 0;
+    const int m_index = kKvCache ? block_x % m_blocks : block_x;
+    // Causal: the last query blocks have the most keys to visit; schedule them first.
+    b.m_block = kCausal ? m_blocks - 1 - m_index : m_index;
+    b.head = head;
+    b.batch = batch;
+    b.seq = kKvCache ? kvcache_seq_range(kc, batch, gridDim.y, seqlen_q)
+                     : SeqRange::make<kVariant>(va, batch, gridDim.y, seqlen_q, seqlen_k);
+    return b;
+}
+
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal, bool kVariant,
           bool kKvCache>
 CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCacheArgs& kc) {
     using Tr = FwdTraits<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kCausal>;
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    // Split-KV packs (split, query block) into blockIdx.x.
-    const int m_blocks = kKvCache ? (seqlen_q + kBlockM - 1) / kBlockM : gridDim.x;
-    const int split = kKvCache ? blockIdx.x / m_blocks : 0;
-    const int m_index = kKvCache ? blockIdx.x % m_blocks : blockIdx.x;
-    // Causal: the last query blocks have the most keys to visit; schedule them first.
-    const int m_block = kCausal ? m_blocks - 1 - m_index : m_index;
-    const int head = blockIdx.y, batch = blockIdx.z, kv_head = head / kv_group;
-    const SeqRange seq = kKvCache ? kvcache_seq_range(kc, batch, gridDim.y, seqlen_q)
-                                  : SeqRange::make<kVariant>(va, batch, gridDim.y, seqlen_q, seqlen_k);
+    const FwdBlock blk = locate_block<kBlockM, kCausal, kVariant, kKvCache>(blockIdx.x, blockIdx.y, blockIdx.z, seqlen_q,
+                                                                           seqlen_k, va, kc);
+    const int m_block = blk.m_block, split = blk.split, head = blk.head, batch = blk.batch, kv_head = head / kv_group;
+    const SeqRange& seq = blk.seq;
     if (kVariant && m_block * kBlockM >= seq.seqlen_q) return;  // varlen: past this sequence's end
     const auto mask = make_mask<kCausal, kVariant>(seq, va);
     const ScoreMod mod = ScoreMod::make(va, softmax_scale, batch, head, seq.seqlen_k - seq.seqlen_q);
@@ -146,8 +177,6 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
                         (paged ? 0 : (i64)seq.k_start * k_row_stride);
     const u16* v_head = v + (paged ? 0 : kv_batch * v_batch_stride) + kv_head * v_head_stride +
                         (paged ? 0 : (i64)seq.k_start * v_row_stride);
-    u16* o_blk = o + batch * o_batch_stride + head * o_head_stride + ((i64)seq.q_start + m_block * kBlockM) * o_row_stride;
-    float* lse_blk = lse + seq.lse_offset(head) + m_block * kBlockM;
     const int rows_left = seq.seqlen_q - m_block * kBlockM;
     const int warp_row0 = warp * Tr::kWarpRows;
 
@@ -168,10 +197,14 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
     zero_acc(acc_o);
     OnlineSoftmax<Tr::kMTiles, Tr::kNTiles> softmax;
     softmax.init();
+    float* row_sums = row_sums_of<Tr>(smem, tid);
+    if (Tr::kTightRegisters) softmax.template store_sums<Tr::kThreads>(row_sums);
 
     // Tile t of the K/V stream: K of key block n_end-1-t/2 when t is even, V of it when odd.
+    // Tight tiles load K and V through a LeanTileLoader (no 64-bit row offsets kept live).
     const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> k_loader(tid, k_row_stride);
     const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> v_loader(tid, v_row_stride);
+    const LeanTileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> lean_loader(tid);
     const PagedTileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> paged_loader(tid);
     const int* pages = paged ? kc.block_table + batch * kc.block_table_stride : nullptr;
     auto load_kv_tile = [&](int t) {
@@ -188,9 +221,13 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
                     paged_loader.load(slot, v_head, v_batch_stride, v_row_stride, pages, kc.page_size, kc.cache_entries,
                                       first_row, keys_left, head_dim);
             } else if (t % 2 == 0) {
-                k_loader.load(slot, k_head + (i64)n_block * kBlockN * k_row_stride, keys_left, head_dim);
+                const u16* tile = k_head + (i64)n_block * kBlockN * k_row_stride;
+                if (Tr::kTightRegisters) lean_loader.load(slot, tile, k_row_stride, keys_left, head_dim);
+                else k_loader.load(slot, tile, keys_left, head_dim);
             } else {
-                v_loader.load(slot, v_head + (i64)n_block * kBlockN * v_row_stride, keys_left, head_dim);
+                const u16* tile = v_head + (i64)n_block * kBlockN * v_row_stride;
+                if (Tr::kTightRegisters) lean_loader.load(slot, tile, v_row_stride, keys_left, head_dim);
+                else v_loader.load(slot, tile, keys_left, head_dim);
             }
         }
         cp_async_commit();
@@ -201,13 +238,15 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
 #pragma unroll
         for (int t = 0; t < kStages - 1; ++t) load_kv_tile(t);  // Q rides in the first group
 
-        const LdsmCursor<typename Tr::QTile> q_cur(q_smem, warp_row0 + lane % 16, lane / 16);
-        for (int it = 0; it < n_blocks; ++it) {
+        // One key block: S = Q K^T, mask, online softmax, O += P V.
+        auto key_block = [&](int it, bool masked) {
             const int n_block = n_end - 1 - it, t = 2 * it;
+            // Tight tiles: an opaque lane id, so that the cursors' swizzled addresses are computed
+            // here instead of being hoisted out of the loop (a dozen registers).
+            const int lane_c = Tr::kTightRegisters ? opaque_int(lane) : lane;
+            const LdsmCursor<typename Tr::QTile> q_cur(q_smem, warp_row0 + lane_c % 16, lane_c / 16);
             const LdsmCursor<typename Tr::KVTile> k_cur(kv_smem + (t % kStages) * Tr::KVTile::kBytes,
-                                                       (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
-            const LdsmCursor<typename Tr::KVTile> v_cur(kv_smem + ((t + 1) % kStages) * Tr::KVTile::kBytes,
-                                                       lane % 16, lane / 16);
+                                                       (lane_c / 16) * 8 + lane_c % 8, (lane_c / 8) % 2);
             cp_async_wait<kStages - 2>();
             __syncthreads();  // K_n landed for all threads; the slot refilled next is no longer read
             load_kv_tile(t + kStages - 1);
@@ -222,45 +261,75 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
 
             const int row0 = m_block * kBlockM + warp_row0, col0 = n_block * kBlockN;
             if (kVariant && mod.active) apply_score_mod<Tr>(s, mod, row0, col0, lane);
-            if (mask.block_needs_mask(m_block, n_block, kBlockM, kBlockN)) apply_mask<Tr>(s, mask, row0, col0, lane);
+            if (masked) apply_mask<Tr>(s, mask, row0, col0, lane);
+            if (Tr::kTightRegisters) softmax.template load_sums<Tr::kThreads>(row_sums);
             softmax.update(s, acc_o, scale_log2);
+            if (Tr::kTightRegisters) softmax.template store_sums<Tr::kThreads>(row_sums);
             if (kVariant && !kKvCache && drop.active()) apply_dropout<Tr>(s, drop, batch * gridDim.y + head, row0, col0, lane);
+            const int lane_v = Tr::kTightRegisters ? opaque_int(lane) : lane;
+            const LdsmCursor<typename Tr::KVTile> v_cur(kv_smem + ((t + 1) % kStages) * Tr::KVTile::kBytes,
+                                                       lane_v % 16, lane_v / 16);
             gemm_rs<T, Tr::kMTiles, Tr::kNTiles, Tr::kDTiles>(acc_o, s, v_cur);  // O += P V
+        };
+        auto needs_mask = [&](int it) { return mask.block_needs_mask(m_block, n_end - 1 - it, kBlockM, kBlockN); };
+        int it = 0;
+        if (Tr::kTightRegisters) {
+            // Blocks run from the last to the first, so those crossing the key tail or the causal
+            // diagonal come first; once one does not, no later one does (sliding windows aside:
+            // the variant kernels keep checking). The second loop keeps no mask state live.
+            for (; it < n_blocks && needs_mask(it); ++it) key_block(it, true);
+            for (; it < n_blocks; ++it) key_block(it, kVariant && needs_mask(it));
+        } else {
+            for (; it < n_blocks; ++it) key_block(it, needs_mask(it));
         }
     }
 
     // Epilogue: normalise, write LSE, stage O through this warp's own rows of the Q tile (only this
-    // warp ever read them) and store it with 16-byte writes.
-    float inv_sum[Tr::kMTiles][2], row_lse[Tr::kMTiles][2];
-    softmax.finalize(inv_sum, row_lse, scale_log2);
-    if (kVariant && !kKvCache && drop.active()) {
+    // warp ever read them) and store it with 16-byte writes. Tight tiles recompute where the output
+    // goes from opaque copies of the block and thread ids (the names below shadow the loop's):
+    // otherwise those values stay live through the key loop, which needs every register it has.
+    {
+        const FwdBlock out = Tr::kTightRegisters ? locate_block<kBlockM, kCausal, kVariant, kKvCache>(
+            opaque_int(blockIdx.x), opaque_int(blockIdx.y), opaque_int(blockIdx.z), seqlen_q, seqlen_k, va, kc) : blk;
+        const int m_block = out.m_block, split = out.split, head = out.head, batch = out.batch;
+        const SeqRange& seq = out.seq;
+        const int tid_out = Tr::kTightRegisters ? opaque_int(threadIdx.x) : tid;
+        const int lane = tid_out % 32, warp_row0 = (tid_out / 32) * Tr::kWarpRows;
+        const int rows_left = seq.seqlen_q - m_block * kBlockM;
+        u16* o_blk = o + batch * o_batch_stride + head * o_head_stride + ((i64)seq.q_start + m_block * kBlockM) * o_row_stride;
+        float* lse_blk = lse + seq.lse_offset(head) + m_block * kBlockM;
+        float inv_sum[Tr::kMTiles][2], row_lse[Tr::kMTiles][2];
+        if (Tr::kTightRegisters) softmax.template load_sums<Tr::kThreads>(row_sums_of<Tr>(smem, tid_out));
+        softmax.finalize(inv_sum, row_lse, scale_log2);
+        if (kVariant && !kKvCache && drop.active()) {
 #pragma unroll
-        for (int mt = 0; mt < Tr::kMTiles; ++mt) inv_sum[mt][0] *= va.dropout_rescale, inv_sum[mt][1] *= va.dropout_rescale;
-    }
-    if (kKvCache && kc.num_splits > 1) {
-        cp_async_wait<0>();
-        const i64 rows = (((i64)split * gridDim.z + batch) * gridDim.y + head) * seqlen_q + m_block * kBlockM;
-        store_partial<Tr>(acc_o, inv_sum, row_lse, kc.o_partial + rows * head_dim, kc.lse_partial + rows, warp_row0,
-                          rows_left, head_dim, lane);
-        return;
-    }
-    cp_async_wait<0>();
-    __syncwarp();
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            int row = warp_row0 + mt * 16 + lane / 4 + 8 * r;
-#pragma unroll
-            for (int dt = 0; dt < Tr::kDTiles; ++dt) {
-                u32 packed = T::pack(acc_o[mt][dt][2 * r] * inv_sum[mt][r], acc_o[mt][dt][2 * r + 1] * inv_sum[mt][r]);
-                *reinterpret_cast<u32*>(smem + Tr::QTile::chunk_offset(row, dt) + (lane % 4) * 4) = packed;
-            }
-            if (lane % 4 == 0 && row < rows_left) lse_blk[row] = row_lse[mt][r];
+            for (int mt = 0; mt < Tr::kMTiles; ++mt) inv_sum[mt][0] *= va.dropout_rescale, inv_sum[mt][1] *= va.dropout_rescale;
         }
-    __syncwarp();
-    store_tile<typename Tr::QTile, Tr::kWarpRows, kHeadDim, 32>(smem, warp_row0, o_blk + warp_row0 * o_row_stride,
-                                                                 o_row_stride, rows_left - warp_row0, head_dim, lane);
+        if (kKvCache && kc.num_splits > 1) {
+            cp_async_wait<0>();
+            const i64 rows = (((i64)split * gridDim.z + batch) * gridDim.y + head) * seqlen_q + m_block * kBlockM;
+            store_partial<Tr>(acc_o, inv_sum, row_lse, kc.o_partial + rows * head_dim, kc.lse_partial + rows, warp_row0,
+                              rows_left, head_dim, lane);
+            return;
+        }
+        cp_async_wait<0>();
+        __syncwarp();
+#pragma unroll
+        for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                int row = warp_row0 + mt * 16 + lane / 4 + 8 * r;
+#pragma unroll
+                for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+                    u32 packed = T::pack(acc_o[mt][dt][2 * r] * inv_sum[mt][r], acc_o[mt][dt][2 * r + 1] * inv_sum[mt][r]);
+                    *reinterpret_cast<u32*>(smem + Tr::QTile::chunk_offset(row, dt) + (lane % 4) * 4) = packed;
+                }
+                if (lane % 4 == 0 && row < rows_left) lse_blk[row] = row_lse[mt][r];
+            }
+        __syncwarp();
+        store_tile<typename Tr::QTile, Tr::kWarpRows, kHeadDim, 32>(smem, warp_row0, o_blk + warp_row0 * o_row_stride,
+                                                                     o_row_stride, rows_left - warp_row0, head_dim, lane);
+    }
 }
 
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal, bool kVariant>

@@ -20,6 +20,19 @@ struct OnlineSoftmax {
             for (int r = 0; r < 2; ++r) { row_max[mt][r] = -CF_INF; row_sum[mt][r] = 0.f; }
     }
 
+    // The row sums can live in shared memory between key blocks (`sums`: this thread's first
+    // slot; slot i is sums[i * kThreads], so a warp's accesses are contiguous).
+    template <int kThreads>
+    CF_DEVICE void store_sums(float* sums) const {
+#pragma unroll
+        for (int i = 0; i < 2 * kMTiles; ++i) sums[i * kThreads] = row_sum[i / 2][i % 2];
+    }
+    template <int kThreads>
+    CF_DEVICE void load_sums(const float* sums) {
+#pragma unroll
+        for (int i = 0; i < 2 * kMTiles; ++i) row_sum[i / 2][i % 2] = sums[i * kThreads];
+    }
+
     // Turns s into unnormalised probabilities and rescales the output accumulator by
     // exp2(old_max - new_max). A row whose max is still -inf (nothing visible yet) subtracts 0
     // instead, so exp2(-inf) = 0 and no NaN appears.

@@ -94,6 +94,44 @@ struct TileLoader {
     }
 };
 
+// TileLoader for loops that cannot spare registers (the forward's K/V stream): it keeps two 32-bit
+// values per thread and derives each row's source address at the copy from the tile's address,
+// which is the same for the whole block (uniform registers). TileLoader's hoisted 64-bit row
+// offsets, kept live through the key loop, were what made the 4-warp forward spill.
+template <class Tile, int kRows, int kCols, int kThreads>
+struct LeanTileLoader {
+    using Dense = TileLoader<Tile, kRows, kCols, kThreads>;
+    int row0, swizzled;
+
+    CF_DEVICE explicit LeanTileLoader(int tid) {
+        row0 = tid / Dense::kCpr;
+        swizzled = (tid % Dense::kCpr) ^ Tile::swizzle(row0);
+    }
+
+    CF_DEVICE void load(u32 smem_tile, const u16* gmem_tile, i64 row_stride, int valid_rows, int valid_cols) const {
+        // Opaque: computed here, at every load, instead of once before the loop and kept live.
+        const int row_base = opaque_int(row0);
+        const int col0 = (opaque_int(threadIdx.x) % Dense::kCpr) * 8;
+        // Row row_base + it * kRowsPerIter is valid iff it * kRowsPerIter < rows_here.
+        const int rows_here = valid_rows - row_base;
+        const u16* row_src = gmem_tile + row_base * row_stride + col0;
+#pragma unroll
+        for (int it = 0; it < Dense::kRowIters; ++it) {
+            const int row = row_base + it * Dense::kRowsPerIter;
+            if (kRows % Dense::kRowsPerIter == 0 || row < kRows) {
+                const int chunk = swizzled ^ Tile::swizzle(it * Dense::kRowsPerIter);
+#pragma unroll
+                for (int p = 0; p < Dense::kPanels; ++p) {
+                    const bool valid = it * Dense::kRowsPerIter < rows_here && p * Tile::kPanelCols + col0 < valid_cols;
+                    cp_async_16(smem_tile + p * Tile::kPanelBytes + row * Tile::kRowBytes + (chunk << 4),
+                                valid ? row_src + p * Tile::kPanelCols : gmem_tile, valid);
+                }
+                row_src += Dense::kRowsPerIter * row_stride;
+            }
+        }
+    }
+};
+
 // TileLoader for a paged KV cache: logical row r of a sequence lives in page pages[r / page_size]
 // at row r % page_size, so each row gets its own address (any page size works). Same thread layout
 // and swizzle as TileLoader; rows past valid_rows are zero-filled and never looked up.

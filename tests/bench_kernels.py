@@ -78,6 +78,8 @@ def main():
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--tiles", default=None,
+                        help="forward tiles of the sweep as block_m,block_n,warps,stages;... (default: a fixed list)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--modes", default="fwd,bwd")
     args = parser.parse_args()
@@ -115,7 +117,9 @@ def main():
                         except Exception:  # backend unavailable for this shape
                             row[name] = float("nan")
                     if args.sweep and mode == "fwd":
-                        row["sweep"] = sweep(q, k, v, causal, args.dtype, flops)
+                        tiles = ([tuple(map(int, t.split(","))) for t in args.tiles.split(";")] if args.tiles
+                                 else SWEEP_TILES)
+                        row["sweep"] = sweep(q, k, v, causal, args.dtype, flops, tiles)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     print(f"\n{'mode':>4} {'seqlen':>6} {'hdim':>4} {'causal':>6} {'cuflash2':>9} {'flash':>7} {'cudnn':>7} {'vs flash':>8}")
@@ -140,13 +144,15 @@ def bench_fwd_kernel(q, k, v, causal, flops, config=None):
     return flops / ms / 1e9
 
 
-def sweep(q, k, v, causal, dtype, flops):
+SWEEP_TILES = [(128, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2),
+               (128, 64, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2)]
+
+
+def sweep(q, k, v, causal, dtype, flops, tiles=SWEEP_TILES):
     """TFLOP/s of alternative tile shapes (for tuning the config table)."""
     d = q.shape[-1]
     results = {}
-    for block_m, block_n, warps, stages in [(128, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 4, 2),
-                                            (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),
-                                            (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2)]:
+    for block_m, block_n, warps, stages in tiles:
         config = KernelConfig(FWD, dtype, forward_config(d, dtype, causal, 90).head_dim, block_m, block_n, warps,
                               stages, causal)
         if config.smem_bytes > 227 * 1024:

@@ -110,7 +110,8 @@ def test_variant_configs_mirror_the_plain_ones():
         for c in plain:
             twin = forward_config(c.head_dim, c.dtype, c.causal, arch, variant=True)
             assert twin.variant and (twin.head_dim, twin.dtype, twin.causal) == (c.head_dim, c.dtype, c.causal)
-            if c.head_dim in (96, 128, 160, 192):  # the others have their own variant tiles (config.py)
+            own_tiles = config._FWD_VARIANT_TILES_SMALL_SMEM if arch == 86 else config._FWD_VARIANT_TILES_LARGE_SMEM
+            if c.head_dim not in own_tiles:  # the others have their own variant tiles (config.py)
                 assert dataclasses.replace(twin, variant=False) == c
         plan = backward_plan(128, "bf16", True, arch, variant=True)
         assert all(k.variant for k in (*plan.main, plan.dq))
@@ -362,3 +363,17 @@ def test_kvcache_tile_for_decoding_rows():
     every = config.all_kvcache_configs(90)
     assert decode in every and config.kvcache_config(128, "bf16", False, 90) in every
     assert len(every) == len(set(every))
+
+
+def test_forward_row_sums_in_shared_memory_only_for_tight_tiles():
+    """32-row warps at head dim >= 128 keep their running row sums in shared memory
+    (FwdTraits::kTightRegisters); the launch must reserve it, the other tiles need none."""
+    tight = forward_config(128, "bf16", False, 90)
+    assert (tight.block_m, tight.block_n, tight.warps) == (128, 64, 4)
+    assert tight.forward_row_sums_bytes == 128 * 2 * 2 * 4  # threads x 2 row tiles x 2 rows x fp32
+    assert tight.smem_bytes == 128 * 128 * 2 + 2 * 64 * 128 * 2 + 2048
+    for head_dim, arch in ((64, 90), (256, 90), (128, 86)):  # 32 rows at d64; 16 rows per warp
+        other = forward_config(head_dim, "bf16", False, arch)
+        assert other.forward_row_sums_bytes == 0
+        assert other.smem_bytes == other.block_m * other.head_dim * 2 + other.stages * other.block_n * other.head_dim * 2
+    assert forward_config(128, "bf16", False, 90, variant=True).forward_row_sums_bytes == 0
