@@ -80,12 +80,15 @@ class KernelConfig:
 
     @property
     def forward_row_sums_bytes(self) -> int:
-        """Shared memory of the forward's running row sums, kept there (not in registers) when each
-        warp owns 32 query rows at head dim >= 128 (FwdTraits::kSumsInSmem in flash_fwd.cu)."""
+        """Shared memory of the forward's running row sums, kept there (not in registers) by tiles
+        whose output accumulator and S take >= 192 registers per thread at head dims >= 128, or
+        >= 160 when causal (FwdTraits::kTightRegisters in flash_fwd.cu)."""
         if self.kernel not in (FWD, FWD_KVCACHE):
             return 0
         m_tiles = self.block_m // (16 * self.warps)
-        return self.threads * m_tiles * 2 * 4 if m_tiles >= 2 and self.head_dim >= 128 else 0
+        acc_registers = m_tiles * (self.head_dim // 8 + self.block_n // 8) * 4
+        tight = self.head_dim >= 128 and acc_registers >= (160 if self.causal else 192)
+        return self.threads * m_tiles * 2 * 4 if tight else 0
 
     def template_name(self) -> str:
         """The C++ name expression NVRTC instantiates and CuPy looks up."""
@@ -182,9 +185,6 @@ _FWD_TILES_LARGE_SMEM = {
     224: (128, 64, 8, 2),
     256: (128, 64, 8, 2),
 }
-# Causal head dim 256: the 128x64 / 8-warp tile (265 TFLOP/s) spills 8 bytes on sm_90 (an extra
-# live mask index), so causal calls use 32-key blocks (228 TFLOP/s, H200, seqlen 4k).
-_FWD_CAUSAL_TILES_LARGE_SMEM = {256: (128, 32, 8, 2)}
 # Variant kernels (window / softcap / ALiBi / varlen / dropout) keep more values live per element:
 # the 64-key tiles of head dims 224 and 256 spill there, 32-key blocks do not; head dims 64 and
 # 128 need 8 warps (16 rows each), 64 once the dropout draws are in, and head dim 32 too on
@@ -215,7 +215,7 @@ def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: 
     bucket = head_dim_bucket(head_dim)
     if _large_smem(arch):
         tiles = ((_FWD_VARIANT_TILES_LARGE_SMEM.get(bucket) if variant else None)
-                 or (_FWD_CAUSAL_TILES_LARGE_SMEM.get(bucket) if causal else None) or _FWD_TILES_LARGE_SMEM[bucket])
+                 or _FWD_TILES_LARGE_SMEM[bucket])
     else:
         tiles = (_FWD_VARIANT_TILES_SMALL_SMEM.get(bucket) if variant else None) or _FWD_TILES_SMALL_SMEM[bucket]
     block_m, block_n, warps, stages = tiles

@@ -24,11 +24,19 @@ struct FwdTraits {
     static constexpr int kWarpRows = 16 * kMTiles;
     using QTile = SwizzledTile<kBlockM, kHeadDim>;
     using KVTile = SwizzledTile<kBlockN, kHeadDim>;
-    // With 32 rows per warp and head dims >= 128 the key loop needs all 255 registers (128 for the
-    // output, 64 for S). Such tiles keep their running row sums (touched once per key block) in
-    // shared memory, rebuild the ldmatrix addresses in every iteration, and run the masked key
-    // blocks in a loop of their own (flash_fwd_body).
-    static constexpr bool kTightRegisters = kMTiles >= 2 && kDTiles >= 16;
+    // Tiles whose output accumulator and S take >= 192 of the 255 registers per thread at head dims
+    // >= 128 (4 warps x 32 rows at head dim 128), or >= 160 in causal kernels, whose mask state
+    // needs a few more (8 warps x 16 rows with 64-key blocks at head dim 256), are "tight": they
+    // keep their running row sums (touched once per key block) in shared memory, run the masked key
+    // blocks in a loop of their own and recompute the epilogue's addresses after the loop
+    // (flash_fwd_body). With 32 rows per warp that is not enough: those tiles also rebuild the
+    // ldmatrix addresses in every key block and load K/V through a LeanTileLoader, at the cost of
+    // a few integer instructions per block. Otherwise the compiler keeps all these values live
+    // through the key loop and spills. Each measure costs some speed where it is not needed
+    // (BENCHMARKS.md, performance log item 16), hence the thresholds.
+    static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;
+    static constexpr bool kTightRegisters = kDTiles >= 16 && kAccRegisters >= (kCausal ? 160 : 192);
+    static constexpr bool kRebuildAddresses = kTightRegisters && kMTiles >= 2;
     static constexpr int kSumsBytes = kTightRegisters ? kThreads * kMTiles * 2 * 4 : 0;
     static constexpr int kSmemBytes = QTile::kBytes + kStages * KVTile::kBytes + kSumsBytes;
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row tiles");
@@ -201,7 +209,7 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
     if (Tr::kTightRegisters) softmax.template store_sums<Tr::kThreads>(row_sums);
 
     // Tile t of the K/V stream: K of key block n_end-1-t/2 when t is even, V of it when odd.
-    // Tight tiles load K and V through a LeanTileLoader (no 64-bit row offsets kept live).
+    // kRebuildAddresses tiles load K and V through a LeanTileLoader (no 64-bit row offsets kept live).
     const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> k_loader(tid, k_row_stride);
     const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> v_loader(tid, v_row_stride);
     const LeanTileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> lean_loader(tid);
@@ -222,11 +230,11 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
                                       first_row, keys_left, head_dim);
             } else if (t % 2 == 0) {
                 const u16* tile = k_head + (i64)n_block * kBlockN * k_row_stride;
-                if (Tr::kTightRegisters) lean_loader.load(slot, tile, k_row_stride, keys_left, head_dim);
+                if (Tr::kRebuildAddresses) lean_loader.load(slot, tile, k_row_stride, keys_left, head_dim);
                 else k_loader.load(slot, tile, keys_left, head_dim);
             } else {
                 const u16* tile = v_head + (i64)n_block * kBlockN * v_row_stride;
-                if (Tr::kTightRegisters) lean_loader.load(slot, tile, v_row_stride, keys_left, head_dim);
+                if (Tr::kRebuildAddresses) lean_loader.load(slot, tile, v_row_stride, keys_left, head_dim);
                 else v_loader.load(slot, tile, keys_left, head_dim);
             }
         }
@@ -241,9 +249,9 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
         // One key block: S = Q K^T, mask, online softmax, O += P V.
         auto key_block = [&](int it, bool masked) {
             const int n_block = n_end - 1 - it, t = 2 * it;
-            // Tight tiles: an opaque lane id, so that the cursors' swizzled addresses are computed
-            // here instead of being hoisted out of the loop (a dozen registers).
-            const int lane_c = Tr::kTightRegisters ? opaque_int(lane) : lane;
+            // kRebuildAddresses: an opaque lane id, so that the cursors' swizzled addresses are
+            // computed here instead of being hoisted out of the loop (a dozen registers).
+            const int lane_c = Tr::kRebuildAddresses ? opaque_int(lane) : lane;
             const LdsmCursor<typename Tr::QTile> q_cur(q_smem, warp_row0 + lane_c % 16, lane_c / 16);
             const LdsmCursor<typename Tr::KVTile> k_cur(kv_smem + (t % kStages) * Tr::KVTile::kBytes,
                                                        (lane_c / 16) * 8 + lane_c % 8, (lane_c / 8) % 2);
@@ -266,7 +274,7 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
             softmax.update(s, acc_o, scale_log2);
             if (Tr::kTightRegisters) softmax.template store_sums<Tr::kThreads>(row_sums);
             if (kVariant && !kKvCache && drop.active()) apply_dropout<Tr>(s, drop, batch * gridDim.y + head, row0, col0, lane);
-            const int lane_v = Tr::kTightRegisters ? opaque_int(lane) : lane;
+            const int lane_v = Tr::kRebuildAddresses ? opaque_int(lane) : lane;
             const LdsmCursor<typename Tr::KVTile> v_cur(kv_smem + ((t + 1) % kStages) * Tr::KVTile::kBytes,
                                                        lane_v % 16, lane_v / 16);
             gemm_rs<T, Tr::kMTiles, Tr::kNTiles, Tr::kDTiles>(acc_o, s, v_cur);  // O += P V

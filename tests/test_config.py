@@ -366,13 +366,17 @@ def test_kvcache_tile_for_decoding_rows():
 
 
 def test_forward_row_sums_in_shared_memory_only_for_tight_tiles():
-    """32-row warps at head dim >= 128 keep their running row sums in shared memory
-    (FwdTraits::kTightRegisters); the launch must reserve it, the other tiles need none."""
+    """Tiles whose accumulators take >= 192 registers at head dim >= 128 (>= 160 when causal) keep
+    their running row sums in shared memory (FwdTraits::kTightRegisters); the launch must reserve it, the other
+    tiles need none."""
     tight = forward_config(128, "bf16", False, 90)
     assert (tight.block_m, tight.block_n, tight.warps) == (128, 64, 4)
     assert tight.forward_row_sums_bytes == 128 * 2 * 2 * 4  # threads x 2 row tiles x 2 rows x fp32
     assert tight.smem_bytes == 128 * 128 * 2 + 2 * 64 * 128 * 2 + 2048
-    for head_dim, arch in ((64, 90), (256, 90), (128, 86)):  # 32 rows at d64; 16 rows per warp
+    wide = forward_config(256, "bf16", True, 90)  # 8 warps x 16 rows, 64 keys: 128 + 32 registers
+    assert (wide.block_n, wide.warps, wide.forward_row_sums_bytes) == (64, 8, 256 * 2 * 4)
+    assert forward_config(256, "bf16", False, 90).forward_row_sums_bytes == 0  # tight only when causal
+    for head_dim, arch in ((64, 90), (32, 90), (256, 86), (128, 86)):  # fewer accumulator registers
         other = forward_config(head_dim, "bf16", False, arch)
         assert other.forward_row_sums_bytes == 0
         assert other.smem_bytes == other.block_m * other.head_dim * 2 + other.stages * other.block_n * other.head_dim * 2
