@@ -15,7 +15,8 @@ from .plot import plot_results, require_matplotlib
 MODES = ("fwd", "bwd", "fwd+bwd")
 COLUMNS = [
     Column("impl", "impl", align="<"), Column("mode", "mode", align="<"), Column("dtype", "dtype", align="<"),
-    Column("batch", "batch"), Column("seqlen", "seqlen"), Column("heads", "heads"), Column("head_dim", "hdim"),
+    Column("batch", "batch"), Column("seqlen", "seqlen"), Column("seqlen_k", "kv len"), Column("heads", "heads"),
+    Column("heads_kv", "kv heads"), Column("head_dim", "hdim"),
     Column("causal", "causal"), Column("first_call_s", "1st call s", ".2f"), Column("ms", "ms", ".3f"),
     Column("tflops", "TFLOP/s", ".1f"), Column("pct_peak", "% peak", ".1f"), Column("speedup", "cuflash2/x", ".2f"),
 ]
@@ -25,8 +26,14 @@ ERROR_COLUMN = Column("error", "error", align="<")
 CONSTANT_KEYS = ("mode", "dtype")  # left out of the text table when one value covers every row
 
 
+# Shown only where some problem differs from the square MHA case.
+OPTIONAL_COLUMNS = {"seqlen_k": "seqlen", "heads_kv": "heads"}
+
+
 def columns_for(rows: list[dict], compact: bool = False) -> list[Column]:
-    columns = COLUMNS + ([ERROR_COLUMN] if any(r.get("error") for r in rows) else [])
+    columns = [c for c in COLUMNS if c.key not in OPTIONAL_COLUMNS
+               or any(r.get(c.key) != r.get(OPTIONAL_COLUMNS[c.key]) for r in rows)]
+    columns += [ERROR_COLUMN] if any(r.get("error") for r in rows) else []
     if compact:
         columns = [c for c in columns if c.key not in CONSTANT_KEYS or len({r[c.key] for r in rows}) > 1]
     return columns
@@ -115,7 +122,11 @@ def emit(rows, fmt: str, output: str | None, env: dict) -> None:
 @click.option("--batch", type=int, default=None, callback=positive_int, help="Default: 16384 // seqlen.")
 @click.option("--seqlen", "seqlens", default=None, callback=parse_positive_ints, metavar="N[,N...]",
               help="Comma list. Default: 512,1024,2048,4096,8192,16384.")
+@click.option("--seqlen-k", type=int, default=None, callback=positive_int,
+              help="Key/value length of every problem (default: the query length).")
 @click.option("--heads", type=int, default=None, callback=positive_int, help="Default: 2048 // head dim.")
+@click.option("--heads-kv", type=int, default=None, callback=positive_int,
+              help="Key/value heads (GQA / MQA; must divide the query heads). Default: the query heads.")
 @click.option("--head-dim", "head_dims", default=None, callback=parse_head_dims, metavar="D[,D...]",
               help="Comma list. Default: 64,128,256.")
 @click.option("--causal/--no-causal", default=None, help="Default: both.")
@@ -136,17 +147,27 @@ def emit(rows, fmt: str, output: str | None, env: dict) -> None:
               help="Decoding benchmark instead: one query token against a KV cache (32 query / 8 kv heads, "
                    "head dim 128), GB/s of K+V read; --seqlen sets the cache lengths (default 2k,8k,32k,64k), "
                    "--batch one batch size (default 1, 16 and 64).")
-def bench_command(mode, batch, seqlens, heads, head_dims, causal, dtype, compare, warmup, repeats, flush_l2, peak,
-                  fmt, output, plot, decode) -> None:
+def bench_command(mode, batch, seqlens, seqlen_k, heads, heads_kv, head_dims, causal, dtype, compare, warmup, repeats,
+                  flush_l2, peak, fmt, output, plot, decode) -> None:
     """Measure TFLOP/s and % of peak, beside torch SDPA backends.
 
     The default grid is FA2's benchmark: model dim 2048 (heads = 2048 / head dim), batch x seqlen =
     16384 tokens for seqlen 512..16384, head dims 64, 128, 256, causal and not, bf16. FLOPs follow
-    FA2's convention (backward 2.5x, forward+backward 3.5x the forward count).
+    FA2's convention (backward 2.5x, forward+backward 3.5x the forward count). --seqlen-k and
+    --heads-kv give cross-attention lengths and GQA; causal masks are aligned bottom-right (FA2's
+    convention), so torch SDPA, which aligns them top-left, is not timed on causal problems with
+    seqlen != seqlen_k.
     """
     if decode:
         _decode(batch, seqlens, dtype, compare, warmup, repeats, fmt, output)
         return
+    try:
+        problems = bench_run.problem_grid(mode, dtype, seqlens or bench_run.DEFAULT_SEQLENS,
+                                          head_dims or bench_run.DEFAULT_HEAD_DIMS,
+                                          (False, True) if causal is None else (causal,), batch, heads, seqlen_k,
+                                          heads_kv)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     require_backward(mode)
     if plot:
         require_matplotlib()
@@ -155,9 +176,6 @@ def bench_command(mode, batch, seqlens, heads, head_dims, causal, dtype, compare
         raise click.ClickException(gpu.no_gpu_error("bench", reason))
     if compare:
         require_torch()
-    problems = bench_run.problem_grid(mode, dtype, seqlens or bench_run.DEFAULT_SEQLENS,
-                                      head_dims or bench_run.DEFAULT_HEAD_DIMS,
-                                      (False, True) if causal is None else (causal,), batch, heads)
     info = gpu.gpu_info(cp)
     peak_value, peak_source = bench_run.resolve_peak(cp, info.name, peak)
     settings = {"warmup": warmup, "repeats": repeats, "flush_bytes": _flush_bytes(cp, flush_l2)}

@@ -28,25 +28,41 @@ class Problem:
     heads: int
     head_dim: int
     causal: bool
+    seqlen_k: int = 0  # key/value length; 0: seqlen
+    heads_kv: int = 0  # key/value heads (GQA / MQA); 0: heads
+
+    def __post_init__(self):
+        object.__setattr__(self, "seqlen_k", self.seqlen_k or self.seqlen)
+        object.__setattr__(self, "heads_kv", self.heads_kv or self.heads)
 
     @property
     def flops(self) -> float:
-        return bench.attention_flops(self.batch, self.seqlen, self.seqlen, self.heads, self.head_dim, self.causal,
+        return bench.attention_flops(self.batch, self.seqlen, self.seqlen_k, self.heads, self.head_dim, self.causal,
                                      self.mode)
 
     def label(self) -> str:
-        return (f"{self.mode} d{self.head_dim} s{self.seqlen} b{self.batch} h{self.heads}"
+        kv = (f" k{self.seqlen_k}" if self.seqlen_k != self.seqlen else "") + (
+            f" hkv{self.heads_kv}" if self.heads_kv != self.heads else "")
+        return (f"{self.mode} d{self.head_dim} s{self.seqlen}{kv} b{self.batch} h{self.heads}"
                 f"{' causal' if self.causal else ''}")
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def problem_grid(mode, dtype, seqlens, head_dims, causals, batch=None, heads=None) -> list[Problem]:
-    """FA2's benchmark grid: batch * seqlen = 16k tokens, nheads * head_dim = 2048, unless given."""
-    return [Problem(mode, dtype, batch or max(1, TOKENS // seqlen), seqlen, heads or max(1, MODEL_DIM // head_dim),
-                    head_dim, causal)
-            for head_dim in head_dims for causal in causals for seqlen in seqlens]
+def problem_grid(mode, dtype, seqlens, head_dims, causals, batch=None, heads=None, seqlen_k=None,
+                 heads_kv=None) -> list[Problem]:
+    """FA2's benchmark grid: batch * seqlen = 16k tokens, nheads * head_dim = 2048, unless given.
+    `seqlen_k` fixes the key length of every problem, `heads_kv` the key/value heads (GQA), which
+    must divide every problem's query heads (ValueError otherwise)."""
+    problems = [Problem(mode, dtype, batch or max(1, TOKENS // seqlen), seqlen, heads or max(1, MODEL_DIM // head_dim),
+                        head_dim, causal, seqlen_k or 0, heads_kv or 0)
+                for head_dim in head_dims for causal in causals for seqlen in seqlens]
+    for p in problems:
+        if p.heads % p.heads_kv:
+            raise ValueError(f"heads_kv: expected a divisor of the query heads ({p.heads} at head dim "
+                             f"{p.head_dim}), got {p.heads_kv}")
+    return problems
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,8 +81,8 @@ def random_array(cp, shape, dtype: str):
 
 
 def make_inputs(cp, p: Problem):
-    shape = (p.batch, p.seqlen, p.heads, p.head_dim)
-    return [random_array(cp, shape, p.dtype) for _ in range(4)]  # q, k, v, dout
+    q_shape, kv_shape = (p.batch, p.seqlen, p.heads, p.head_dim), (p.batch, p.seqlen_k, p.heads_kv, p.head_dim)
+    return [random_array(cp, shape, p.dtype) for shape in (q_shape, kv_shape, kv_shape, q_shape)]  # q, k, v, dout
 
 
 def cuflash2_runner(p: Problem, q, k, v, dout):
@@ -85,17 +101,21 @@ def cuflash2_runner(p: Problem, q, k, v, dout):
 
 def torch_runner(impl: str, p: Problem, q, k, v, dout):
     """torch SDPA with one backend on the same data, as (b, h, s, d) views; backward through autograd."""
+    if p.causal and p.seqlen != p.seqlen_k:
+        raise ValueError("torch SDPA's is_causal aligns the mask top-left, cuflash2 (like FA2) bottom-right: "
+                         "not the same problem when seqlen_q != seqlen_k")
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, SDPA_BACKENDS[impl])
+    gqa = {"enable_gqa": True} if p.heads_kv != p.heads else {}
     leaves = [torch.from_dlpack(x).detach().requires_grad_(p.mode != "fwd") for x in (q, k, v)]
     qt, kt, vt = (x.transpose(1, 2) for x in leaves)
     grad = torch.from_dlpack(dout).transpose(1, 2)
 
     def fwd():
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=p.causal)
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=p.causal, **gqa)
 
     def backward(out, retain):
         for x in leaves:
@@ -149,7 +169,7 @@ def run_one(cp, impl: str, p: Problem, inputs, settings: dict, peak: float | Non
 
 def add_speedups(rows: list[dict]) -> None:
     """speedup = cuflash2 TFLOP/s / this implementation's, for rows of the same problem."""
-    keys = ("mode", "dtype", "batch", "seqlen", "heads", "head_dim", "causal")
+    keys = ("mode", "dtype", "batch", "seqlen", "seqlen_k", "heads", "heads_kv", "head_dim", "causal")
     ours = {tuple(r[k] for k in keys): r.get("tflops") for r in rows if r["impl"] == "cuflash2"}
     for r in rows:
         mine = ours.get(tuple(r[k] for k in keys))

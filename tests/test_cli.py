@@ -302,6 +302,41 @@ def test_default_grid_is_fa2s():
     assert overridden[0].flops == pytest.approx(2.5 * 4 * 3 * 5 * 40 * 100 * 100 / 2)
 
 
+def test_grid_with_key_length_and_kv_heads():
+    grid = bench_run.problem_grid("fwd", "bf16", [1024, 4096], [128], [False, True], seqlen_k=2048, heads_kv=4)
+    assert {(p.seqlen, p.seqlen_k, p.heads, p.heads_kv) for p in grid} == {(1024, 2048, 16, 4), (4096, 2048, 16, 4)}
+    assert "k2048" in grid[0].label() and "hkv4" in grid[0].label()
+    # Causal masks are aligned bottom-right: 1024 queries over 2048 keys see keys 0..1024+i.
+    causal = next(p for p in grid if p.causal and p.seqlen == 1024)
+    pairs = sum(1024 + i + 1 for i in range(1024))
+    assert causal.flops == pytest.approx(4 * causal.batch * 16 * 128 * pairs)
+    square = bench_run.Problem("fwd", "bf16", 1, 64, 4, 32, False)
+    assert (square.seqlen_k, square.heads_kv) == (64, 4) and square.label() == "fwd d32 s64 b1 h4"
+    with pytest.raises(ValueError, match="heads_kv: expected a divisor of the query heads"):
+        bench_run.problem_grid("fwd", "bf16", [512], [128], [False], heads_kv=3)
+
+
+def test_bench_kv_heads_must_divide_before_any_gpu_work(no_gpu):
+    result = invoke("bench", "--head-dim", "128", "--heads-kv", "3")
+    assert result.exit_code == 2
+    assert "heads_kv: expected a divisor of the query heads (16 at head dim 128), got 3" in result.output
+
+
+def test_torch_is_not_timed_on_differently_aligned_causal_masks():
+    p = bench_run.Problem("fwd", "bf16", 1, 512, 8, 64, True, seqlen_k=1024)
+    with pytest.raises(ValueError, match="top-left"):
+        bench_run.torch_runner("torch-flash", p, None, None, None, None)
+
+
+def test_kv_columns_only_when_some_problem_differs():
+    rows = _bench_rows()
+    keys = [c.key for c in bench_cmd.columns_for(rows)]
+    assert "seqlen_k" not in keys and "heads_kv" not in keys
+    rows[0] = {**rows[0], "heads_kv": 8}
+    keys = [c.key for c in bench_cmd.columns_for(rows)]
+    assert "heads_kv" in keys and "seqlen_k" not in keys
+
+
 def test_info_helpers(tmp_path, monkeypatch):
     assert gpu.cuda_version(12040) == "12.4" and gpu.cuda_version(13000) == "13.0"
     assert gpu.cuda_version(0) == "none"
