@@ -81,13 +81,13 @@ class KernelConfig:
     @property
     def forward_row_sums_bytes(self) -> int:
         """Shared memory of the forward's running row sums, kept there (not in registers) by tiles
-        whose output accumulator and S take >= 192 registers per thread at head dims >= 128, or
-        >= 160 when causal (FwdTraits::kTightRegisters in flash_fwd.cu)."""
+        whose output accumulator and S take >= 160 registers per thread at head dims >= 96, with 32
+        rows per warp or when causal (FwdTraits::kTightRegisters in flash_fwd.cu)."""
         if self.kernel not in (FWD, FWD_KVCACHE):
             return 0
         m_tiles = self.block_m // (16 * self.warps)
         acc_registers = m_tiles * (self.head_dim // 8 + self.block_n // 8) * 4
-        tight = self.head_dim >= 128 and acc_registers >= (160 if self.causal else 192)
+        tight = self.head_dim >= 96 and acc_registers >= 160 and (m_tiles >= 2 or self.causal)
         return self.threads * m_tiles * 2 * 4 if tight else 0
 
     def template_name(self) -> str:
@@ -178,7 +178,7 @@ def _check_dtype(dtype: str) -> None:
 _FWD_TILES_LARGE_SMEM = {
     32: (128, 128, 4, 2),
     64: (128, 64, 4, 3),
-    96: (128, 32, 4, 2),
+    96: (128, 64, 4, 2),
     128: (128, 64, 4, 2),
     160: (128, 64, 8, 2),
     192: (128, 64, 8, 2),
@@ -186,11 +186,11 @@ _FWD_TILES_LARGE_SMEM = {
     256: (128, 64, 8, 2),
 }
 # Variant kernels (window / softcap / ALiBi / varlen / dropout) keep more values live per element:
-# the 64-key tiles of head dims 224 and 256 spill there, 32-key blocks do not; head dims 64 and
-# 128 need 8 warps (16 rows each), 64 once the dropout draws are in, and head dim 32 too on
-# sm_80/sm_86.
-_FWD_VARIANT_TILES_LARGE_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 3), 128: (128, 128, 8, 2), 224: (128, 32, 8, 2),
-                                 256: (128, 32, 8, 2)}
+# the 64-key tiles of head dims 224 and 256 spill there, 32-key blocks do not (and at head dim 96
+# the 4-warp 64-key tile); head dims 64 and 128 need 8 warps (16 rows each), 64 once the dropout
+# draws are in, and head dim 32 too on sm_80/sm_86.
+_FWD_VARIANT_TILES_LARGE_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 3), 96: (128, 32, 4, 2), 128: (128, 128, 8, 2),
+                                 224: (128, 32, 8, 2), 256: (128, 32, 8, 2)}
 # 99 KB parts. ptxas for sm_86 allocates differently from sm_80/sm_90: head dims 128 and 256 spill
 # with the large-smem shapes, hence 8 warps for 128 and 32-key blocks for 256.
 _FWD_TILES_SMALL_SMEM = {

@@ -24,9 +24,10 @@ struct FwdTraits {
     static constexpr int kWarpRows = 16 * kMTiles;
     using QTile = SwizzledTile<kBlockM, kHeadDim>;
     using KVTile = SwizzledTile<kBlockN, kHeadDim>;
-    // Tiles whose output accumulator and S take >= 192 of the 255 registers per thread at head dims
-    // >= 128 (4 warps x 32 rows at head dim 128), or >= 160 in causal kernels, whose mask state
-    // needs a few more (8 warps x 16 rows with 64-key blocks at head dim 256), are "tight": they
+    // Tiles whose output accumulator and S take >= 160 of the 255 registers per thread at head dims
+    // >= 96, with 32 rows per warp (4 warps x 32 rows with 64-key blocks at head dims 96 and 128)
+    // or in causal kernels, whose mask state needs a few more (8 warps x 16 rows with 64-key
+    // blocks at head dim 256), are "tight": they
     // keep their running row sums (touched once per key block) in shared memory, run the masked key
     // blocks in a loop of their own and recompute the epilogue's addresses after the loop
     // (flash_fwd_body). With 32 rows per warp that is not enough: those tiles also rebuild the
@@ -35,7 +36,7 @@ struct FwdTraits {
     // through the key loop and spills. Each measure costs some speed where it is not needed
     // (BENCHMARKS.md, performance log item 16), hence the thresholds.
     static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;
-    static constexpr bool kTightRegisters = kDTiles >= 16 && kAccRegisters >= (kCausal ? 160 : 192);
+    static constexpr bool kTightRegisters = kDTiles >= 12 && kAccRegisters >= 160 && (kMTiles >= 2 || kCausal);
     static constexpr bool kRebuildAddresses = kTightRegisters && kMTiles >= 2;
     static constexpr int kSumsBytes = kTightRegisters ? kThreads * kMTiles * 2 * 4 : 0;
     static constexpr int kSmemBytes = QTile::kBytes + kStages * KVTile::kBytes + kSumsBytes;

@@ -376,6 +376,9 @@ def test_forward_row_sums_in_shared_memory_only_for_tight_tiles():
     wide = forward_config(256, "bf16", True, 90)  # 8 warps x 16 rows, 64 keys: 128 + 32 registers
     assert (wide.block_n, wide.warps, wide.forward_row_sums_bytes) == (64, 8, 256 * 2 * 4)
     assert forward_config(256, "bf16", False, 90).forward_row_sums_bytes == 0  # tight only when causal
+    d96 = forward_config(96, "bf16", False, 90)  # 4 warps x 32 rows, 64 keys: 2 x (12 + 8) x 4 = 160
+    assert (d96.block_n, d96.warps, d96.forward_row_sums_bytes) == (64, 4, 2048)
+    assert forward_config(96, "bf16", False, 90, variant=True).block_n == 32  # the 64-key variant build spills
     for head_dim, arch in ((64, 90), (32, 90), (256, 86), (128, 86)):  # fewer accumulator registers
         other = forward_config(head_dim, "bf16", False, arch)
         assert other.forward_row_sums_bytes == 0
