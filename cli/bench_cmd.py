@@ -26,16 +26,18 @@ ERROR_COLUMN = Column("error", "error", align="<")
 CONSTANT_KEYS = ("mode", "dtype")  # left out of the text table when one value covers every row
 
 
-# Shown only where some problem differs from the square MHA case.
+# In compact output, shown only where some problem differs from the square MHA case.
 OPTIONAL_COLUMNS = {"seqlen_k": "seqlen", "heads_kv": "heads"}
 
 
 def columns_for(rows: list[dict], compact: bool = False) -> list[Column]:
-    columns = [c for c in COLUMNS if c.key not in OPTIONAL_COLUMNS
-               or any(r.get(c.key) != r.get(OPTIONAL_COLUMNS[c.key]) for r in rows)]
-    columns += [ERROR_COLUMN] if any(r.get("error") for r in rows) else []
+    """Every column for machine formats (a fixed header); `compact` (table, markdown) drops the
+    columns that say nothing for these rows."""
+    columns = COLUMNS + ([ERROR_COLUMN] if any(r.get("error") for r in rows) else [])
     if compact:
         columns = [c for c in columns if c.key not in CONSTANT_KEYS or len({r[c.key] for r in rows}) > 1]
+        columns = [c for c in columns if c.key not in OPTIONAL_COLUMNS
+                   or any(r.get(c.key) != r.get(OPTIONAL_COLUMNS[c.key]) for r in rows)]
     return columns
 
 
@@ -94,7 +96,10 @@ def summary_lines(rows: list[dict], env: dict) -> list[str]:
     ours = [r["first_call_s"] for r in rows if r["impl"] == "cuflash2" and r.get("first_call_s") is not None]
     if ours:
         lines.append(f"cuflash2 first calls: {sum(ours):.1f} s in all, longest {max(ours):.2f} s")
-    failed = [r for r in rows if r.get("error")]
+    skipped = [r for r in rows if str(r.get("error", "")).startswith(bench_run.SKIPPED)]
+    failed = [r for r in rows if r.get("error") and r not in skipped]
+    if skipped:
+        lines.append(f"{len(skipped)} measurement(s) skipped (not the same problem): see the 'error' column")
     if failed:
         lines.append(f"{len(failed)} measurement(s) failed: see the 'error' column")
     return lines
@@ -159,6 +164,9 @@ def bench_command(mode, batch, seqlens, seqlen_k, heads, heads_kv, head_dims, ca
     seqlen != seqlen_k.
     """
     if decode:
+        if seqlen_k or heads_kv:
+            raise click.UsageError("--seqlen-k and --heads-kv do not apply to --decode (its cache lengths are "
+                                   "--seqlen, its heads fixed at 32 query / 8 kv)")
         _decode(batch, seqlens, dtype, compare, warmup, repeats, fmt, output)
         return
     try:

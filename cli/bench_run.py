@@ -17,6 +17,11 @@ DEFAULT_HEAD_DIMS = (64, 128, 256)
 SDPA_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION",
                  "torch-efficient": "EFFICIENT_ATTENTION"}
 GEMM_N = 8192
+SKIPPED = "skipped: "  # error-column prefix of a comparison that would not measure the same problem
+
+
+class NotComparable(ValueError):
+    """This implementation would compute a different problem (reported as skipped, not failed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +107,8 @@ def cuflash2_runner(p: Problem, q, k, v, dout):
 def torch_runner(impl: str, p: Problem, q, k, v, dout):
     """torch SDPA with one backend on the same data, as (b, h, s, d) views; backward through autograd."""
     if p.causal and p.seqlen != p.seqlen_k:
-        raise ValueError("torch SDPA's is_causal aligns the mask top-left, cuflash2 (like FA2) bottom-right: "
-                         "not the same problem when seqlen_q != seqlen_k")
+        raise NotComparable("torch SDPA's is_causal aligns the mask top-left, cuflash2 (like FA2) bottom-right: "
+                            "not the same problem when seqlen_q != seqlen_k")
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -159,6 +164,8 @@ def run_one(cp, impl: str, p: Problem, inputs, settings: dict, peak: float | Non
     row = {"impl": impl, **p.fields(), "flops": p.flops}
     try:
         timing = measure(cp, make_runner(impl, p, inputs), **settings)
+    except NotComparable as exc:
+        return {**row, "error": SKIPPED + str(exc)}
     except Exception as exc:  # an unavailable backend for this shape must not stop the run
         cp.cuda.Device().synchronize()
         return {**row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"}

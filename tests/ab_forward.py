@@ -57,7 +57,7 @@ def main():
             shape = AttentionShape(b, s, s, h, h, d, "float16", 1 / math.sqrt(d))
             out, lse = cp.empty_like(q), cp.empty((b, h, s), dtype=np.float32)
             infos = [describe("x", x) for x in (q, k, v, out, lse)]
-            fp16 = forward_config(d, "fp16", causal, 90)
+            fp16 = forward_config(d, "fp16", causal, launch.device_arch(device))
             kernels = {"new": compiler.get_kernel(fp16, device), "old": kernel_from(pathlib.Path(args.old_dir), fp16)}
             flops = bench.attention_flops(b, s, s, h, d, causal)
             results = {"new": [], "old": []}
@@ -65,7 +65,8 @@ def main():
                 for name in ("new", "old"):
                     compiler._loaded[(device, fp16)] = kernels[name]
                     stream = cp.cuda.get_current_stream()
-                    ms = bench.time_cuda_ms(lambda i=infos, sh=shape, c=causal, st=stream: launch.forward(*i, sh, c, 0, st))
+                    ms = bench.time_cuda_ms(lambda i=infos, sh=shape, c=causal, st=stream, cf=fp16:
+                                            launch.forward(*i, sh, c, device, st, cf))
                     results[name].append(flops / ms / 1e9)
             compiler._loaded[(device, fp16)] = kernels["new"]
             new, old = statistics.median(results["new"]), statistics.median(results["old"])

@@ -324,17 +324,28 @@ def test_bench_kv_heads_must_divide_before_any_gpu_work(no_gpu):
 
 def test_torch_is_not_timed_on_differently_aligned_causal_masks():
     p = bench_run.Problem("fwd", "bf16", 1, 512, 8, 64, True, seqlen_k=1024)
-    with pytest.raises(ValueError, match="top-left"):
+    with pytest.raises(bench_run.NotComparable, match="top-left"):
         bench_run.torch_runner("torch-flash", p, None, None, None, None)
+    row = bench_run.run_one(None, "torch-flash", p, [None] * 4, {}, None)
+    assert row["error"].startswith(bench_run.SKIPPED)
+    lines = bench_cmd.summary_lines(_bench_rows() + [row], ENV)
+    assert any("1 measurement(s) skipped" in line for line in lines)
+    assert any("1 measurement(s) failed" in line for line in lines)  # the cuDNN row of _bench_rows
 
 
-def test_kv_columns_only_when_some_problem_differs():
+def test_kv_columns_only_in_compact_output_when_some_problem_differs():
     rows = _bench_rows()
-    keys = [c.key for c in bench_cmd.columns_for(rows)]
+    keys = [c.key for c in bench_cmd.columns_for(rows, compact=True)]
     assert "seqlen_k" not in keys and "heads_kv" not in keys
+    assert {"seqlen_k", "heads_kv"} <= {c.key for c in bench_cmd.columns_for(rows)}  # CSV/JSON: fixed header
     rows[0] = {**rows[0], "heads_kv": 8}
-    keys = [c.key for c in bench_cmd.columns_for(rows)]
+    keys = [c.key for c in bench_cmd.columns_for(rows, compact=True)]
     assert "heads_kv" in keys and "seqlen_k" not in keys
+
+
+def test_decode_rejects_kv_shape_options(no_gpu):
+    result = invoke("bench", "--decode", "--heads-kv", "2")
+    assert result.exit_code == 2 and "do not apply to --decode" in result.output
 
 
 def test_info_helpers(tmp_path, monkeypatch):

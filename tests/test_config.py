@@ -366,9 +366,9 @@ def test_kvcache_tile_for_decoding_rows():
 
 
 def test_forward_row_sums_in_shared_memory_only_for_tight_tiles():
-    """Tiles whose accumulators take >= 192 registers at head dim >= 128 (>= 160 when causal) keep
-    their running row sums in shared memory (FwdTraits::kTightRegisters); the launch must reserve it, the other
-    tiles need none."""
+    """Tiles whose accumulators take >= 160 registers at head dim >= 96, with 32 rows per warp or
+    causal, keep their running row sums in shared memory (FwdTraits::kTightRegisters); the launch
+    must reserve it, the other tiles need none."""
     tight = forward_config(128, "bf16", False, 90)
     assert (tight.block_m, tight.block_n, tight.warps) == (128, 64, 4)
     assert tight.forward_row_sums_bytes == 128 * 2 * 2 * 4  # threads x 2 row tiles x 2 rows x fp32
