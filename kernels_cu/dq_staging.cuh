@@ -7,6 +7,11 @@
 #pragma once
 #include "ptx.cuh"
 
+// The dQ accumulator's column permutation: pairs (col, col + 1) move by 8 * (row % 4) columns where
+// `mask` is 24 (head dims that are multiples of 32), nowhere where it is 0. Used by DqStaging when
+// staging and by flash_bwd_convert_kernel when reading the accumulator back.
+CF_DEVICE int dq_swizzled_col(int row, int col, int mask) { return col ^ (mask & ((row % 4) * 8)); }
+
 // kSwizzle: permute columns as swizzled_col says (the host passes the same choice to the convert
 // kernel: KernelConfig.dq_column_swizzle in cuflash2/config.py).
 template <int kBlockM, int kHeadDim, bool kSwizzle>
@@ -34,8 +39,7 @@ struct DqStaging {
     // multiple of 32, so that a moved column stays inside its row. It costs registers (the offsets
     // of a store are no longer immediates): the fused kernel at head dim 128 has none to spare.
     CF_DEVICE int swizzled_col(int row, int col) const {
-        const int mask = kSwizzle && row_bytes % 128 == 0 ? 24 : 0;
-        return col ^ (mask & ((row % 4) * 8));
+        return dq_swizzled_col(row, col, kSwizzle && row_bytes % 128 == 0 ? 24 : 0);
     }
 
     // Rows (row, row + 8), columns (col, col + 1) of an MMA accumulator fragment (padded columns

@@ -1,6 +1,7 @@
 // Backward pre- and post-processing: D = rowsum(dO * O), and the fp32 -> output conversion of the
 // gradient accumulators (scaling dQ, summing dK/dV over the query heads of a GQA group).
 #include "ptx.cuh"
+#include "dq_staging.cuh"
 
 // D[b, h, i] = sum_c dO[b, i, h, c] * O[b, i, h, c] in fp32. 8 lanes per row, 16-byte loads.
 template <class T, int kHeadDim>
@@ -50,8 +51,7 @@ flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
     const int c = (int)(idx % pairs) * 2;
     const int head = (int)((idx / pairs) % nheads);
     const int row = (int)(idx / ((i64)pairs * nheads));
-    // col_swizzle: the dQ accumulator's column permutation (DqStaging::swizzled_col), 0 for none
-    const int c_acc = c ^ (col_swizzle & ((row % 4) * 8));
+    const int c_acc = dq_swizzled_col(row, c, col_swizzle);  // the accumulator's column permutation (0: none)
     const float* src = acc + batch * acc_batch_stride + row * acc_row_stride + (i64)head * group * acc_head_stride + c_acc;
     float x = 0.f, y = 0.f;
     for (int g = 0; g < group; ++g) {

@@ -27,14 +27,14 @@ struct FwdTraits {
     // Tiles whose output accumulator and S take >= 160 of the 255 registers per thread at head dims
     // >= 96, with 32 rows per warp (4 warps x 32 rows with 64-key blocks at head dims 96 and 128)
     // or in causal kernels, whose mask state needs a few more (8 warps x 16 rows with 64-key
-    // blocks at head dim 256), are "tight": they
-    // keep their running row sums (touched once per key block) in shared memory, run the masked key
-    // blocks in a loop of their own and recompute the epilogue's addresses after the loop
-    // (flash_fwd_body). With 32 rows per warp that is not enough: those tiles also rebuild the
-    // ldmatrix addresses in every key block and load K/V through a LeanTileLoader, at the cost of
-    // a few integer instructions per block. Otherwise the compiler keeps all these values live
-    // through the key loop and spills. Each measure costs some speed where it is not needed
-    // (BENCHMARKS.md, performance log item 16), hence the thresholds.
+    // blocks at head dim 256), are "tight": they keep their running row sums (touched once per key
+    // block) in shared memory, run the masked key blocks in a loop of their own and recompute the
+    // epilogue's addresses after the loop (flash_fwd_body). With 32 rows per warp that is not
+    // enough: those tiles also rebuild the ldmatrix addresses in every key block and load K/V
+    // through a LeanTileLoader, at the cost of a few integer instructions per block. Otherwise the
+    // compiler keeps all these values live through the key loop and spills. Each measure costs
+    // some speed where it is not needed (BENCHMARKS.md, performance log item 16), hence the
+    // thresholds. KernelConfig.forward_row_sums_bytes (cuflash2/config.py) mirrors this rule.
     static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;
     static constexpr bool kTightRegisters = kDTiles >= 12 && kAccRegisters >= 160 && (kMTiles >= 2 || kCausal);
     static constexpr bool kRebuildAddresses = kTightRegisters && kMTiles >= 2;
