@@ -75,7 +75,8 @@ class KernelConfig:
         if self.kernel == BWD_DQ:
             return 2 * m * d * 2 + 2 * n * d * 2
         if self.kernel == BWD_FUSED:  # K, V; 2 stages of Q, dO, LSE, D; P^T, dS^T; 2 fp32 dQ buffers
-            return 2 * n * d * 2 + 2 * (2 * m * d * 2 + 2 * m * 4) + 2 * n * m * 2 + 2 * m * d * 4
+            dq_bytes = 0 if d > 128 else 2 * m * d * 4  # above 128: dQ staged over a consumed Q/dO stage
+            return 2 * n * d * 2 + 2 * (2 * m * d * 2 + 2 * m * 4) + 2 * n * m * 2 + dq_bytes
         return 0
 
     @property
@@ -129,9 +130,9 @@ class KernelConfig:
         """Column-permutation mask of the fp32 dQ accumulator this kernel fills through shared memory
         (DqStaging::swizzled_col, kernels_cu/dq_staging.cuh), which the convert kernel undoes: pairs
         of columns move by 8 * (row % 4) so that the staging stores avoid bank conflicts. Only for
-        head dims that are multiples of 32, and not in the fused kernel at head dim 128 (no registers
-        to spare there); 0 means no permutation."""
-        swizzles = self.accumulates_dq and not (self.kernel == BWD_FUSED and self.head_dim == 128)
+        head dims that are multiples of 32, and not in the fused kernel from head dim 128 up (no
+        registers to spare there); 0 means no permutation."""
+        swizzles = self.accumulates_dq and not (self.kernel == BWD_FUSED and self.head_dim >= 128)
         return 24 if swizzles and head_dim % 32 == 0 else 0
 
     @property
@@ -326,25 +327,35 @@ _BWD_ATOMIC_TILES = {32: (64, 8, 2), 64: (64, 8, 2), 96: (32, 4, 1), 128: (32, 8
 _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 
 
-FUSED_BWD_HEAD_DIMS = (64, 128)  # buckets whose dQ split and registers fit the fused kernel's layout
+# Buckets the fused kernel serves: its layout needs an even number of 8-column tiles per column
+# group, so buckets 160 and 224 run the 192 and 256 instantiations on zero-padded columns.
+FUSED_BWD_HEAD_DIMS = (64, 128, 160, 192, 224, 256)
+_FUSED_BWD_WIDTH = {160: 192, 224: 256}
 # Buckets where the fused kernel is the default (H200, BENCHMARKS.md): at 128 it measured 1.1-1.26x
 # the two-kernel plan (seqlen 1k-4k), 1.08-1.38x at head dim 120 (padded columns); at 64, once its dQ
 # staging stores were free of bank conflicts, 1.05-1.08x (0.97x causal at seqlen 1k). Its 128-row
 # query blocks at head dim 64 were as fast but spill in the causal build, so 64 rows everywhere.
-FUSED_BWD_DEFAULT_BUCKETS = (64, 128)
+FUSED_BWD_DEFAULT_BUCKETS = FUSED_BWD_HEAD_DIMS
 
 
 def fused_backward_supported(bucket: int, arch: int, variant: bool = False, deterministic: bool = False,
                              causal: bool = False, gqa: bool = False) -> bool:
     """Whether the one-pass backward kernel (flash_bwd_fused.cu: FA2's warp layout, dQ by bulk
-    reductions) serves this call: sm_90, plain attention, head-dim buckets 64 and 128; not causal
-    GQA at head dim 128, whose instantiation (fp32 dK/dV) spills 8 bytes."""
+    reductions) serves this call: sm_90 or newer with the shared memory of an H100 (not the 99 KB
+    parts), plain attention, head-dim buckets 64 and 128 to 256; not causal GQA at head dim 128,
+    whose instantiation (fp32 dK/dV) spills 8 bytes."""
     return (atomic_dq_supported(arch) and not variant and not deterministic and bucket in FUSED_BWD_HEAD_DIMS
-            and not (bucket == 128 and causal and gqa))
+            and not (bucket == 128 and causal and gqa)
+            and fused_backward_config(bucket, "bf16", causal, gqa).smem_bytes <= smem_limit(arch))
 
 
 def fused_backward_config(bucket: int, dtype: str, causal: bool, gqa: bool, block_m: int = 64) -> KernelConfig:
-    return KernelConfig(BWD_FUSED, dtype, bucket, block_m, 128, 8, 2, causal, (gqa,))
+    # 32 keys per warp: 4 key groups x 2 column halves of a 128-key block up to head dim 128; above,
+    # the dK/dV accumulators of half the columns would not fit in registers, so 2 key groups x 4
+    # column quarters of a 64-key block.
+    width = _FUSED_BWD_WIDTH.get(bucket, bucket)
+    block_n = 128 if width <= 128 else 64
+    return KernelConfig(BWD_FUSED, dtype, width, block_m, block_n, 8, 2, causal, (gqa,))
 
 
 def backward_plan_options(arch: int) -> list[dict]:

@@ -13,16 +13,19 @@
 CF_DEVICE int dq_swizzled_col(int row, int col, int mask) { return col ^ (mask & ((row % 4) * 8)); }
 
 // kSwizzle: permute columns as swizzled_col says (the host passes the same choice to the convert
-// kernel: KernelConfig.dq_column_swizzle in cuflash2/config.py).
-template <int kBlockM, int kHeadDim, bool kSwizzle>
+// kernel: KernelConfig.dq_column_swizzle in cuflash2/config.py). kBufferStride: bytes from one
+// buffer to the other; by default they are adjacent (kBytes in all), but a kernel short of shared
+// memory can stage dQ over memory of its own that is free by then (flash_bwd_fused.cu).
+template <int kBlockM, int kHeadDim, bool kSwizzle, int kBufferStride = kBlockM * kHeadDim * 4>
 struct DqStaging {
     static constexpr int kBufferBytes = kBlockM * kHeadDim * 4;
     static constexpr int kBytes = 2 * kBufferBytes;
+    static_assert(kBufferStride >= kBufferBytes, "the two buffers must not overlap");
 
     u32 base;
     int row_bytes;  // head_dim * 4: the layout of the global accumulator's rows
 
-    CF_DEVICE u32 buffer(int iteration) const { return base + (iteration & 1) * kBufferBytes; }
+    CF_DEVICE u32 buffer(int iteration) const { return base + (iteration & 1) * kBufferStride; }
 
     // Call before the barrier that precedes writing buffer(iteration): the reduction issued from
     // that buffer two iterations ago must have read it out.

@@ -1,10 +1,12 @@
 // FlashAttention-2 backward in one kernel (sm_90): dK, dV and dQ from a single pass, with
-// FlashAttention-2's warp layout. One thread block per (128-key block, query head, batch), 8 warps;
-// warp w works on the 32 keys of key group w % 4 and on half h = w / 4 of the other dimension.
+// FlashAttention-2's warp layout. One thread block per (key block, query head, batch), 8 warps. The
+// block's keys form groups of 32 (4 groups of a 128-key block up to head dim 128, 2 groups of a
+// 64-key block above); the warps sharing a key group split the other dimension between them
+// (column group c of kColGroups): warp w works on key group w % kKeyGroups, column group w / kKeyGroups.
 // Per query block of kBlockM rows:
-//   S^T = K Q^T, dP^T = V dO^T                 keys of the group x queries of half h
+//   S^T = K Q^T, dP^T = V dO^T                 keys of the group x queries of column group c
 //   P^T = exp(scale S^T - LSE), dS^T = P^T (dP^T - D)  -> shared memory (16-bit), for every warp
-//   dV += P^T dO, dK += dS^T Q                 keys of the group x head-dim columns of half h
+//   dV += P^T dO, dK += dS^T Q                 keys of the group x head-dim columns of column group c
 //   dQ  = dS K                                 32 query rows x a column group per warp, staged in
 //                                              fp32 and added to the global accumulator by one bulk
 //                                              reduction per query block (dq_staging.cuh)
@@ -22,20 +24,30 @@
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
 struct FusedBwdTraits {
     static constexpr int kThreads = kNWarps * 32;
-    static constexpr int kKeyGroups = 4;
-    static constexpr int kWarpKeys = kBlockN / kKeyGroups;  // 32: two MMA row tiles
-    static constexpr int kSTiles = kBlockM / 2 / 8;          // 8-query tiles of a warp's S^T half
-    static constexpr int kDTiles = kHeadDim / 2 / 8;         // 8-column tiles of a warp's dK/dV half
+    static constexpr int kWarpKeys = 32;                     // two MMA row tiles
+    static constexpr int kKeyGroups = kBlockN / kWarpKeys;
+    static constexpr int kColGroups = kNWarps / kKeyGroups;  // warps sharing a key group
+    static constexpr int kSTiles = kBlockM / kColGroups / 8;  // 8-query tiles of a warp's S^T part
+    static constexpr int kDTiles = kHeadDim / kColGroups / 8; // 8-column tiles of a warp's dK/dV part
     static constexpr int kDqRowGroups = kBlockM / 32;
     static constexpr int kDqColGroups = kNWarps / kDqRowGroups;
     static constexpr int kDqTiles = kHeadDim / kDqColGroups / 8;
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using PTile = SwizzledTile<kBlockN, kBlockM>;   // P^T and dS^T
-    using DqStage = DqStaging<kBlockM, kHeadDim, kHeadDim != 128>;  // no registers to swizzle at 128
     static constexpr int kQStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
-    static constexpr int kSmemBytes = 2 * KTile::kBytes + 2 * kQStageBytes + 2 * PTile::kBytes + DqStage::kBytes;
-    static_assert(kNWarps == 8 && kWarpKeys == 32, "4 key groups x 2 halves of 32-key warps");
+    // Above head dim 128 two fp32 dQ buffers of their own do not fit next to K, V and two Q/dO stages
+    // (d256: 64 + 129 + 16 + 128 KB), so dQ is staged over the Q and dO rows of the stage just
+    // consumed: fp32 dQ rows take exactly the bytes of a Q row and a dO row. The next query block
+    // then loads once the copy engine has read that stage out (see the loop).
+    static constexpr bool kDqInStage = kHeadDim > 128;
+    // The dQ column swizzle (no bank conflicts on the staging stores) costs registers that the
+    // kernels from head dim 128 up do not have: it spills there.
+    using DqStage = DqStaging<kBlockM, kHeadDim, (kHeadDim < 128), kDqInStage ? kQStageBytes : kBlockM * kHeadDim * 4>;
+    static constexpr int kSmemBytes =
+        2 * KTile::kBytes + 2 * kQStageBytes + 2 * PTile::kBytes + (kDqInStage ? 0 : DqStage::kBytes);
+    static_assert(kNWarps == 8 && kBlockN % kWarpKeys == 0 && kNWarps % kKeyGroups == 0, "32-key warps, 8 of them");
+    static_assert(!kDqInStage || DqStage::kBufferBytes == 2 * QTile::kBytes, "dQ staged over the Q and dO rows");
     static_assert(kSTiles % 2 == 0 && kDTiles % 2 == 0 && kDqTiles % 2 == 0 && kDqColGroups * kDqRowGroups == kNWarps,
                   "tile shape");
 };
@@ -46,7 +58,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     using Tr = FusedBwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps>;
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int key_group = warp % Tr::kKeyGroups, half = warp / Tr::kKeyGroups;
+    const int key_group = warp % Tr::kKeyGroups, col_group = warp / Tr::kKeyGroups;
     const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z, kv_head = head / kv_group;
     const VariantArgs va = CF_VARIANT_ARGS;
     const SeqRange seq = SeqRange::make<false>(va, batch, gridDim.y, seqlen_q, seqlen_k);
@@ -57,7 +69,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     const u32 k_smem = smem_addr(smem), v_smem = k_smem + Tr::KTile::kBytes;
     const u32 stage0 = v_smem + Tr::KTile::kBytes;
     const u32 pt_smem = stage0 + 2 * Tr::kQStageBytes, dst_smem = pt_smem + Tr::PTile::kBytes;
-    const typename Tr::DqStage dq_stage{dst_smem + Tr::PTile::kBytes, head_dim * 4};
+    const typename Tr::DqStage dq_stage{Tr::kDqInStage ? stage0 : dst_smem + Tr::PTile::kBytes, head_dim * 4};
 
     // Per-block addresses are recomputed where used (a few integer ops) rather than kept live
     // through the loop next to the dK / dV accumulators.
@@ -97,7 +109,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     zero_acc(acc_dk);
     zero_acc(acc_dv);
     const int warp_key0 = key_group * Tr::kWarpKeys;           // first key of this warp (in the block)
-    const int warp_query0 = half * (kBlockM / 2);              // first query of this warp's S^T half
+    const int warp_query0 = col_group * (kBlockM / Tr::kColGroups);  // first query of this warp's S^T part
     const int dq_row0 = (warp % Tr::kDqRowGroups) * 32;        // dQ: first row and column tile
     const int dq_tile0 = (warp / Tr::kDqRowGroups) * Tr::kDqTiles;
     const LdsmCursor<typename Tr::KTile> k_as_a(k_smem, warp_key0 + lane % 16, lane / 16);
@@ -119,7 +131,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         cp_async_wait<0>();
         __syncthreads();  // this stage has landed; P^T / dS^T and the other stage are free again
         if (it > 0) dq_stage.issue(dq_stage.buffer(it - 1), dq_block(m_block - 1), tid);
-        load_query_block(m_block + 1);
+        if (!Tr::kDqInStage) load_query_block(m_block + 1);
 
         // S^T = K Q^T, then P^T = exp2(S^T * scale_log2 - LSE * log2 e), zero where masked.
         float p[2][Tr::kSTiles][4];
@@ -168,13 +180,19 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
                     const float ds_hi = T::to_float((u16)(p_pair >> 16)) * (ds[mt][nt][2 * r + 1] - delta_rows[col + 1]);
                     *reinterpret_cast<u32*>(smem + (dst_smem - k_smem) + p_tile_offset(mt, nt, r)) = T::pack(ds_lo, ds_hi);
                 }
-        dq_stage.wait_buffer_free(tid);
+        if (Tr::kDqInStage) {
+            if (tid == 0) bulk_wait_read<0>();  // the other stage's dQ (issued above) has been read out
+        } else {
+            dq_stage.wait_buffer_free(tid);
+        }
         __syncthreads();  // P^T and dS^T complete
+        if (Tr::kDqInStage) load_query_block(m_block + 1);  // lands while dV, dK and dQ are computed
 
         gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dv, pt_as_a, LdsmCursor<typename Tr::QTile>(do_smem, lane % 16, lane / 16),
-                                                 half * Tr::kDTiles);  // dV += P^T dO
+                                                 col_group * Tr::kDTiles);  // dV += P^T dO
         gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dk, dst_as_a, LdsmCursor<typename Tr::QTile>(q_smem, lane % 16, lane / 16),
-                                                 half * Tr::kDTiles);  // dK += dS^T Q
+                                                 col_group * Tr::kDTiles);  // dK += dS^T Q
+        if (Tr::kDqInStage) __syncthreads();  // every warp is done with this stage's Q and dO: dQ goes there
         // dQ = dS K for rows [dq_row0, +32) of this query block, two 8-column tiles at a time (fewer
         // live registers next to the dK / dV accumulators).
         const u32 dq_buf = dq_stage.buffer(it);
@@ -204,7 +222,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     const int tid_e = opaque_int(threadIdx.x), lane_e = tid_e % 32, warp_e = tid_e / 32;
     const int head_e = opaque_int(blockIdx.y), batch_e = opaque_int(blockIdx.z);
     const int row0 = opaque_int(blockIdx.x) * kBlockN + (warp_e % Tr::kKeyGroups) * Tr::kWarpKeys;
-    const int col0 = (warp_e / Tr::kKeyGroups) * (kHeadDim / 2);
+    const int col0 = (warp_e / Tr::kKeyGroups) * (kHeadDim / Tr::kColGroups);
     if (kFloatDkv) {
         const i64 rs = (i64)gridDim.y * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
         const i64 base = (((i64)batch_e * seqlen_k) * gridDim.y + head_e) * head_dim;

@@ -113,7 +113,7 @@ def test_noncontiguous_dout_and_given_outputs():
 
 
 _SM90_PLANS = [pytest.param({"atomic_dq": True}, hd, id=f"atomic-{hd}") for hd in (64, 96, 128, 256)] + [
-    pytest.param({"fused": True}, hd, id=f"fused-{hd}") for hd in (40, 64, 120, 128)]
+    pytest.param({"fused": True}, hd, id=f"fused-{hd}") for hd in (40, 64, 120, 128, 144, 192, 200, 256)]
 
 
 @pytest.mark.parametrize("seqlens", [(211, 157), (64, 300)])

@@ -44,37 +44,55 @@ def _check_compiles(arch, config):
     assert "regs=" in report.line() and config.short_id() in report.line()
 
 
+def _compiles_with_asserts(source_file, asserts):
+    """Whether a kernel source with extra static_asserts appended compiles (NVRTC, sm_90), and its log."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    source = compiler.kernel_source(source_file) + "\n" + "\n".join(asserts) + "\n"
+    program = nvrtc.createProgram(source, "smem_contract.cu", [], [])
+    try:
+        nvrtc.compileProgram(program, ["-arch=sm_90", *compiler._NVRTC_OPTIONS])
+        return True, ""
+    except nvrtc.NVRTCError:
+        return False, nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
 def test_forward_shared_memory_matches_the_kernel_traits():
     """The host reserves KernelConfig.smem_bytes of dynamic shared memory; the forward kernel lays
     out FwdTraits::kSmemBytes (row sums included for tight tiles). One NVRTC compile of static_asserts
     over every forward and KV-cache tile shows the two rules agree, and that a wrong value fails."""
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
-    from cupy_backends.cuda.libs import nvrtc
-
     tiles = {}
     for arch in COMPILE_ARCHS:
         for c in all_forward_configs(arch) + [c for c in cfg.all_kvcache_configs(arch) if c.kernel == cfg.FWD_KVCACHE]:
             traits = f"FwdTraits<Bf16, {c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}, {c.stages}, {str(c.causal).lower()}>"
             tiles[traits] = (c.smem_bytes, c.forward_row_sums_bytes, c.short_id())
 
-    def compiles(asserts):
-        source = compiler.kernel_source("flash_fwd.cu") + "\n" + "\n".join(asserts) + "\n"
-        program = nvrtc.createProgram(source, "smem_contract.cu", [], [])
-        try:
-            nvrtc.compileProgram(program, ["-arch=sm_80", *compiler._NVRTC_OPTIONS])
-            return True, ""
-        except nvrtc.NVRTCError:
-            return False, nvrtc.getProgramLog(program)
-        finally:
-            nvrtc.destroyProgram(program)
-
     asserts = [f'static_assert({t}::kSmemBytes == {smem} && {t}::kSumsBytes == {sums}, "{name}");'
                for t, (smem, sums, name) in tiles.items()]
-    ok, log = compiles(asserts)
+    ok, log = _compiles_with_asserts("flash_fwd.cu", asserts)
     assert ok, f"host and kernel disagree on forward shared memory:\n{log[:2000]}"
     assert len(tiles) > 20 and any(sums for _, sums, _ in tiles.values())
     some_tile = next(iter(tiles))
-    assert not compiles([f'static_assert({some_tile}::kSmemBytes == {tiles[some_tile][0] + 16}, "off by 16");'])[0]
+    wrong = f'static_assert({some_tile}::kSmemBytes == {tiles[some_tile][0] + 16}, "off by 16");'
+    assert not _compiles_with_asserts("flash_fwd.cu", [wrong])[0]
+
+
+def test_fused_backward_shared_memory_matches_the_kernel_traits():
+    """The same contract for the fused backward (FusedBwdTraits::kSmemBytes: dQ staged in buffers of
+    its own up to head dim 128, over a consumed Q/dO stage above)."""
+    pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
+    tiles = {f"FusedBwdTraits<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}>": (c.smem_bytes, c.short_id())
+             for c in cfg.all_backward_configs(90) if c.kernel == cfg.BWD_FUSED}
+    asserts = [f'static_assert({t}::kSmemBytes == {smem}, "{name}");' for t, (smem, name) in tiles.items()]
+    ok, log = _compiles_with_asserts("flash_bwd_fused.cu", asserts)
+    assert ok, f"host and kernel disagree on fused backward shared memory:\n{log[:2000]}"
+    assert len(tiles) == 4
+    some_tile = next(iter(tiles))
+    wrong = f'static_assert({some_tile}::kSmemBytes == {tiles[some_tile][0] + 16}, "off by 16");'
+    assert not _compiles_with_asserts("flash_bwd_fused.cu", [wrong])[0]
 
 
 @pytest.mark.parametrize("arch,config", _cases(all_forward_configs))

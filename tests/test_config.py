@@ -333,7 +333,7 @@ def test_fused_backward_default_and_limits():
     assert [c.kernel for c in main(head_dim=64, fused=True)] == [config.BWD_FUSED]
     plan = config.backward_plan(128, "bf16", False, 90)
     assert plan.dq is None and plan.main[0].accumulates_dq
-    for kw in ({"head_dim": 96}, {"head_dim": 256}, {"arch": 80}, {"variant": True}, {"deterministic": True},
+    for kw in ({"head_dim": 96}, {"head_dim": 32}, {"arch": 80}, {"variant": True}, {"deterministic": True},
                {"causal": True, "gqa": True}):
         with pytest.raises(ValueError, match="fused: the one-pass backward needs sm_90"):
             main(**{"head_dim": 128, "fused": True, **kw})
@@ -347,7 +347,21 @@ def test_fused_backward_smem_and_compile_list():
     assert config.fused_backward_config(64, "bf16", False, True).short_id() == "bwd-fused-bf16-d64-full-m64n128w8s2-f32"
     assert "flash_bwd_fused_kernel<Fp16, 128, 64, 128, 8, true, false>" == c.template_name()
     fused = {c for c in config.all_backward_configs(90) if c.kernel == config.BWD_FUSED}
-    assert len(fused) == 2 * 2 * 2 * 2 - 2  # head dims x dtypes x causal x gqa, less causal GQA at 128
+    # widths 64, 128, 192, 256 x dtypes x causal x gqa, less causal GQA at 128
+    assert len(fused) == 4 * 2 * 2 * 2 - 2
+    assert {c.head_dim for c in fused} == {64, 128, 192, 256}
+
+
+@pytest.mark.parametrize(("head_dim", "width"), [(136, 192), (192, 192), (200, 256), (256, 256)])
+def test_fused_backward_above_128_uses_64_key_blocks_and_stages_dq_over_q(head_dim, width):
+    """Above head dim 128 the fused kernel works on 64-key blocks (2 key groups x 4 column groups),
+    buckets 160 and 224 run the next even-tiled width, and dQ is staged over a consumed Q/dO stage
+    instead of buffers of its own (FusedBwdTraits::kDqInStage): that is what makes d256 fit."""
+    c = config.backward_plan(head_dim, "bf16", True, 90, fused=True).main[0]
+    assert (c.kernel, c.head_dim, c.block_m, c.block_n, c.warps) == (config.BWD_FUSED, width, 64, 64, 8)
+    assert c.smem_bytes == 2 * 64 * width * 2 + 2 * (2 * 64 * width * 2 + 2 * 64 * 4) + 2 * 64 * 64 * 2
+    assert c.smem_bytes <= smem_limit(90)
+    assert c.dq_column_swizzle(head_dim) == 0  # no registers for the staging swizzle from 128 up
     assert not any(c.kernel == config.BWD_FUSED for c in config.all_backward_configs(80))
 
 
