@@ -75,8 +75,11 @@ class KernelConfig:
         if self.kernel == BWD_DQ:
             return 2 * m * d * 2 + 2 * n * d * 2
         if self.kernel == BWD_FUSED:  # K, V; 2 stages of Q, dO, LSE, D; P^T, dS^T; 2 fp32 dQ buffers
-            dq_bytes = 0 if d > 128 else 2 * m * d * 4  # above 128: dQ staged over a consumed Q/dO stage
-            return 2 * n * d * 2 + 2 * (2 * m * d * 2 + 2 * m * 4) + 2 * n * m * 2 + dq_bytes
+            dq_buffer = m * (d + self.dq_row_pad_floats) * 4
+            stage = 2 * m * d * 2 + 2 * m * 4
+            if d > 128:  # dQ staged over a consumed stage (FusedBwdTraits::kDqInStage)
+                return 2 * n * d * 2 + 2 * max(stage, dq_buffer) + 2 * n * m * 2
+            return 2 * n * d * 2 + 2 * stage + 2 * n * m * 2 + 2 * dq_buffer
         return 0
 
     @property
@@ -134,6 +137,19 @@ class KernelConfig:
         registers to spare there); 0 means no permutation."""
         swizzles = self.accumulates_dq and not (self.kernel == BWD_FUSED and self.head_dim >= 128)
         return 24 if swizzles and head_dim % 32 == 0 else 0
+
+    @property
+    def dq_row_pad_floats(self) -> int:
+        """Floats of padding after each staged row of fp32 dQ: the fused kernel from head dim 128 up
+        pads its rows by 16 bytes instead of swizzling columns, so that its staging stores avoid
+        bank conflicts without spending registers (FusedBwdTraits::kDqPadBytes, dq_staging.cuh)."""
+        return 4 if self.kernel == BWD_FUSED and self.head_dim >= 128 else 0
+
+    def dq_row_pitch(self, head_dim: int) -> int:
+        """Floats per row of the fp32 dQ accumulator this kernel fills for a call with `head_dim`
+        (rows are copied byte for byte from its shared-memory staging): padded rows span the
+        kernel's width (a compile-time pitch), the others the call's head dim."""
+        return self.head_dim + self.dq_row_pad_floats if self.dq_row_pad_floats else head_dim
 
     @property
     def source_file(self) -> str:
@@ -342,10 +358,8 @@ def fused_backward_supported(bucket: int, arch: int, variant: bool = False, dete
                              causal: bool = False, gqa: bool = False) -> bool:
     """Whether the one-pass backward kernel (flash_bwd_fused.cu: FA2's warp layout, dQ by bulk
     reductions) serves this call: sm_90 or newer with the shared memory of an H100 (not the 99 KB
-    parts), plain attention, head-dim buckets 64 and 128 to 256; not causal GQA at head dim 128,
-    whose instantiation (fp32 dK/dV) spills 8 bytes."""
+    parts), plain attention, head-dim buckets 64 and 128 to 256."""
     return (atomic_dq_supported(arch) and not variant and not deterministic and bucket in FUSED_BWD_HEAD_DIMS
-            and not (bucket == 128 and causal and gqa)
             and fused_backward_config(bucket, "bf16", causal, gqa).smem_bytes <= smem_limit(arch))
 
 

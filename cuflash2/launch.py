@@ -109,10 +109,11 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
              _i32(sq), _i32(h), _i32(d)))
 
     dq_acc_ptr = delta_i.data_ptr  # unused unless the main kernel accumulates dQ
-    if plan.dq is None:  # (b, h, sq rounded up to the query block, d): one block is one contiguous range
+    if plan.dq is None:  # (b, h, sq rounded up to the query block, pitch): one block is one contiguous range
         dq_producer = next(c for c in plan.main if c.accumulates_dq)
         block_m = dq_producer.block_m
-        dq_acc, dq_acc_i = _scratch(cp, (b, h, math.ceil(sq / block_m) * block_m, d), zero=True)
+        pitch = dq_producer.dq_row_pitch(d)  # the convert kernel reads rows by their stride
+        dq_acc, dq_acc_i = _scratch(cp, (b, h, math.ceil(sq / block_m) * block_m, pitch), zero=True)
         keep.append(dq_acc)
         dq_acc_ptr = dq_acc_i.data_ptr
     if gqa:  # per-query-head fp32 dK/dV, summed over each group by the conversion kernel

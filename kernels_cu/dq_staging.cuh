@@ -12,18 +12,28 @@
 // staging and by flash_bwd_convert_kernel when reading the accumulator back.
 CF_DEVICE int dq_swizzled_col(int row, int col, int mask) { return col ^ (mask & ((row % 4) * 8)); }
 
-// kSwizzle: permute columns as swizzled_col says (the host passes the same choice to the convert
-// kernel: KernelConfig.dq_column_swizzle in cuflash2/config.py). kBufferStride: bytes from one
-// buffer to the other; by default they are adjacent (kBytes in all), but a kernel short of shared
-// memory can stage dQ over memory of its own that is free by then (flash_bwd_fused.cu).
-template <int kBlockM, int kHeadDim, bool kSwizzle, int kBufferStride = kBlockM * kHeadDim * 4>
+// Unswizzled, unpadded rows put the 8 rows of a fragment store on the same banks (8 wavefronts per
+// warp store instead of 2). Two cures, both mirrored by the host (cuflash2/config.py):
+//   kSwizzle: permute columns as swizzled_col says (KernelConfig.dq_column_swizzle, undone by the
+//     convert kernel). Costs registers: a store's offset is no longer an immediate.
+//   kPadBytes: 16 bytes after each row, in shared memory and in the global accumulator alike
+//     (KernelConfig.dq_row_pitch; the convert kernel reads rows by their stride). Each row then
+//     starts 4 banks after the previous one, so a fragment store takes 2 wavefronts; with a
+//     compile-time row_bytes the offsets stay immediates. It costs 16 bytes of shared memory per row.
+// kBufferStride: bytes from one buffer to the other; by default they are adjacent (kBytes in all),
+// but a kernel short of shared memory can stage dQ over memory of its own that is free by then
+// (flash_bwd_fused.cu).
+template <int kBlockM, int kHeadDim, bool kSwizzle, int kPadBytes = 0,
+          int kBufferStride = kBlockM * (kHeadDim * 4 + kPadBytes)>
 struct DqStaging {
-    static constexpr int kBufferBytes = kBlockM * kHeadDim * 4;
+    static constexpr int kBufferBytes = kBlockM * (kHeadDim * 4 + kPadBytes);
     static constexpr int kBytes = 2 * kBufferBytes;
     static_assert(kBufferStride >= kBufferBytes, "the two buffers must not overlap");
+    static_assert(kPadBytes % 16 == 0 && !(kSwizzle && kPadBytes), "bulk copies move 16-byte units; one cure");
 
     u32 base;
-    int row_bytes;  // head_dim * 4: the layout of the global accumulator's rows
+    int row_bytes;  // pitch of the staged rows and of the global accumulator's (head_dim * 4, or the
+                    // kernel's width * 4 + kPadBytes)
 
     CF_DEVICE u32 buffer(int iteration) const { return base + (iteration & 1) * kBufferStride; }
 
@@ -36,11 +46,9 @@ struct DqStaging {
     }
 
     // Where a column lands in a staged row, and in the global accumulator, which the bulk reduction
-    // fills byte for byte (flash_bwd_convert_kernel undoes it). Unswizzled, the 8 rows of a fragment
-    // store hit the same banks (8 wavefronts per warp store); moving each pair (col, col + 1) by
-    // 8 * (row % 4) columns spreads them over all 32 banks (2 wavefronts). Only when head_dim is a
-    // multiple of 32, so that a moved column stays inside its row. It costs registers (the offsets
-    // of a store are no longer immediates): the fused kernel at head dim 128 has none to spare.
+    // fills byte for byte (flash_bwd_convert_kernel undoes it). With kSwizzle, each pair (col, col + 1)
+    // moves by 8 * (row % 4) columns, which spreads a fragment store over all 32 banks; only when
+    // head_dim is a multiple of 32, so that a moved column stays inside its row.
     CF_DEVICE int swizzled_col(int row, int col) const {
         return dq_swizzled_col(row, col, kSwizzle && row_bytes % 128 == 0 ? 24 : 0);
     }
@@ -48,7 +56,7 @@ struct DqStaging {
     // Rows (row, row + 8), columns (col, col + 1) of an MMA accumulator fragment (padded columns
     // past head_dim are dropped).
     CF_DEVICE void store_fragment(u32 buf, int row, int col, const float (&frag)[4]) const {
-        if (col * 4 >= row_bytes) return;
+        if (col * 4 >= row_bytes - kPadBytes) return;  // (never with the padded rows of full width)
         const int byte = swizzled_col(row, col) * 4;  // the same for row + 8
         st_shared_f32x2(buf + row * row_bytes + byte, frag[0], frag[1]);
         st_shared_f32x2(buf + (row + 8) * row_bytes + byte, frag[2], frag[3]);

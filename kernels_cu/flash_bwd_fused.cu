@@ -35,19 +35,24 @@ struct FusedBwdTraits {
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using PTile = SwizzledTile<kBlockN, kBlockM>;   // P^T and dS^T
-    static constexpr int kQStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
+    // dQ staging without bank conflicts (dq_staging.cuh): the column swizzle up to head dim 64; from
+    // 128 up it costs registers the kernel does not have (it spills), so 16 bytes of padding per row.
+    static constexpr bool kDqSwizzle = kHeadDim < 128;
+    static constexpr int kDqPadBytes = kDqSwizzle ? 0 : 16;
+    static constexpr int kDqRowBytes = kHeadDim * 4 + kDqPadBytes;
     // Above head dim 128 two fp32 dQ buffers of their own do not fit next to K, V and two Q/dO stages
-    // (d256: 64 + 129 + 16 + 128 KB), so dQ is staged over the Q and dO rows of the stage just
-    // consumed: fp32 dQ rows take exactly the bytes of a Q row and a dO row. The next query block
-    // then loads once the copy engine has read that stage out (see the loop).
+    // (d256: 64 + 129 + 16 + 128 KB), so dQ is staged over the stage just consumed (its Q, dO, LSE
+    // and D: fp32 dQ rows take the bytes of a Q row and a dO row, the padding a little more). The
+    // next query block then loads once the copy engine has read that stage out (see the loop).
     static constexpr bool kDqInStage = kHeadDim > 128;
-    // The dQ column swizzle (no bank conflicts on the staging stores) costs registers that the
-    // kernels from head dim 128 up do not have: it spills there.
-    using DqStage = DqStaging<kBlockM, kHeadDim, (kHeadDim < 128), kDqInStage ? kQStageBytes : kBlockM * kHeadDim * 4>;
+    static constexpr int kQStageBytes = cmax(2 * QTile::kBytes + 2 * kBlockM * 4,  // Q, dO, LSE, D
+                                             kDqInStage ? kBlockM * kDqRowBytes : 0);
+    using DqStage = DqStaging<kBlockM, kHeadDim, kDqSwizzle, kDqPadBytes,
+                              kDqInStage ? kQStageBytes : kBlockM * kDqRowBytes>;
     static constexpr int kSmemBytes =
         2 * KTile::kBytes + 2 * kQStageBytes + 2 * PTile::kBytes + (kDqInStage ? 0 : DqStage::kBytes);
     static_assert(kNWarps == 8 && kBlockN % kWarpKeys == 0 && kNWarps % kKeyGroups == 0, "32-key warps, 8 of them");
-    static_assert(!kDqInStage || DqStage::kBufferBytes == 2 * QTile::kBytes, "dQ staged over the Q and dO rows");
+    static_assert(kQStageBytes % 128 == 0, "stages stay aligned");
     static_assert(kSTiles % 2 == 0 && kDTiles % 2 == 0 && kDqTiles % 2 == 0 && kDqColGroups * kDqRowGroups == kNWarps,
                   "tile shape");
 };
@@ -69,13 +74,18 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     const u32 k_smem = smem_addr(smem), v_smem = k_smem + Tr::KTile::kBytes;
     const u32 stage0 = v_smem + Tr::KTile::kBytes;
     const u32 pt_smem = stage0 + 2 * Tr::kQStageBytes, dst_smem = pt_smem + Tr::PTile::kBytes;
-    const typename Tr::DqStage dq_stage{Tr::kDqInStage ? stage0 : dst_smem + Tr::PTile::kBytes, head_dim * 4};
+    // Padded dQ rows have the instantiation's width (a compile-time pitch: the staging stores keep
+    // immediate offsets); swizzled ones the call's head dim. The host allocates the accumulator
+    // alike (KernelConfig.dq_row_pitch).
+    const int dq_row_bytes = Tr::kDqSwizzle ? head_dim * 4 : Tr::kDqRowBytes;
+    const typename Tr::DqStage dq_stage{Tr::kDqInStage ? stage0 : dst_smem + Tr::PTile::kBytes, dq_row_bytes};
 
     // Per-block addresses are recomputed where used (a few integer ops) rather than kept live
     // through the loop next to the dK / dV accumulators.
-    auto dq_block = [&](int m_block) {  // dq_accum: (batch, head, seqlen_q rounded up to kBlockM, head_dim) fp32
+    // dq_accum: (batch, head, seqlen_q rounded up to kBlockM, dq_row_bytes / 4) fp32
+    auto dq_block = [&](int m_block) {
         const i64 rows = (i64)(seq.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
-        return dq_accum + (((i64)batch * gridDim.y + head) * rows + (i64)m_block * kBlockM) * head_dim;
+        return dq_accum + (((i64)batch * gridDim.y + head) * rows + (i64)m_block * kBlockM) * (dq_row_bytes / 4);
     };
     const int m_begin = mask.query_block_begin(n_block, kBlockM, kBlockN);
     const int m_end = mask.query_block_end(n_block, kBlockM, kBlockN);

@@ -9,6 +9,8 @@ typedef long long i64;
 
 #define CF_DEVICE __device__ __forceinline__
 
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }  // for compile-time sizes
+
 // 16 bytes moved as one vectorised access.
 struct alignas(16) Chunk16 {
     u32 x, y, z, w;

@@ -1,7 +1,7 @@
 """One backward pass each of cuflash2 (default plan, the atomic-dQ plan, the fused plan) and torch's FA2, for a
 profiler to attach to (d128, seqlen 4k, bf16 unless told otherwise):
     ncu --clock-control none -k regex:'flash_bwd|dq_dk_dv' \\
-        --section SpeedOfLight --section WarpStateStats python tests/profile_bwd.py [head_dim] [causal]
+        --section SpeedOfLight --section WarpStateStats python tests/profile_bwd.py [head_dim] [causal|full] [fused-only]
 """
 
 import math
@@ -29,7 +29,7 @@ def main():
     grads = [cp.empty_like(x) for x in (qc, kc, vc)]
     infos = [describe("x", x) for x in (doc, qc, kc, vc, out, lse, *grads)]
     stream = cp.cuda.get_current_stream()
-    for atomic_dq in (False, True):
+    for atomic_dq in (False, True) if len(sys.argv) <= 3 or sys.argv[3] != "fused-only" else ():
         launch.backward(*infos, shape, causal, False, 0, stream, atomic_dq)
     if fused_backward_supported(head_dim_bucket(head_dim), 90, causal=causal):  # the one-pass plan too
         launch.backward(*infos, shape, causal, False, 0, stream, fused=True)

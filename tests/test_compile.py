@@ -82,17 +82,24 @@ def test_forward_shared_memory_matches_the_kernel_traits():
 
 def test_fused_backward_shared_memory_matches_the_kernel_traits():
     """The same contract for the fused backward (FusedBwdTraits::kSmemBytes: dQ staged in buffers of
-    its own up to head dim 128, over a consumed Q/dO stage above)."""
+    its own up to head dim 128, over a consumed Q/dO stage above; kDqPadBytes: the padding of the
+    staged and accumulated dQ rows, which the host allocates)."""
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
-    tiles = {f"FusedBwdTraits<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}>": (c.smem_bytes, c.short_id())
+    tiles = {f"FusedBwdTraits<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}>":
+             (c.smem_bytes, c.dq_row_pad_floats * 4, c.short_id())
              for c in cfg.all_backward_configs(90) if c.kernel == cfg.BWD_FUSED}
-    asserts = [f'static_assert({t}::kSmemBytes == {smem}, "{name}");' for t, (smem, name) in tiles.items()]
+    for c in cfg.all_backward_configs(90):  # padded rows: the kernel's width (kDqRowBytes) plus the pad
+        if c.kernel == cfg.BWD_FUSED and c.dq_row_pad_floats:
+            assert c.dq_row_pitch(c.head_dim - 8) * 4 == c.head_dim * 4 + c.dq_row_pad_floats * 4
+    asserts = [f'static_assert({t}::kSmemBytes == {smem} && {t}::kDqPadBytes == {pad} && '
+               f'{t}::kDqSwizzle == !{pad}, "{name}");' for t, (smem, pad, name) in tiles.items()]
     ok, log = _compiles_with_asserts("flash_bwd_fused.cu", asserts)
     assert ok, f"host and kernel disagree on fused backward shared memory:\n{log[:2000]}"
     assert len(tiles) == 4
     some_tile = next(iter(tiles))
-    wrong = f'static_assert({some_tile}::kSmemBytes == {tiles[some_tile][0] + 16}, "off by 16");'
-    assert not _compiles_with_asserts("flash_bwd_fused.cu", [wrong])[0]
+    for wrong in (f'static_assert({some_tile}::kSmemBytes == {tiles[some_tile][0] + 16}, "off by 16");',
+                  f'static_assert({some_tile}::kDqPadBytes == {tiles[some_tile][1] + 16}, "off by 16");'):
+        assert not _compiles_with_asserts("flash_bwd_fused.cu", [wrong])[0]
 
 
 @pytest.mark.parametrize("arch,config", _cases(all_forward_configs))
