@@ -32,6 +32,10 @@ struct FusedBwdTraits {
     static constexpr int kDqRowGroups = kBlockM / 32;
     static constexpr int kDqColGroups = kNWarps / kDqRowGroups;
     static constexpr int kDqTiles = kHeadDim / kDqColGroups / 8;
+    // dQ = dS K is computed kDqChunk 8-column tiles at a time: each pass reloads the dS fragments,
+    // so wider passes read less shared memory but keep more accumulators live. 4 fits the registers
+    // at head dim 256 only (the others spill with it).
+    static constexpr int kDqChunk = kHeadDim == 256 ? 4 : 2;
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using PTile = SwizzledTile<kBlockN, kBlockM>;   // P^T and dS^T
@@ -53,8 +57,8 @@ struct FusedBwdTraits {
         2 * KTile::kBytes + 2 * kQStageBytes + 2 * PTile::kBytes + (kDqInStage ? 0 : DqStage::kBytes);
     static_assert(kNWarps == 8 && kBlockN % kWarpKeys == 0 && kNWarps % kKeyGroups == 0, "32-key warps, 8 of them");
     static_assert(kQStageBytes % 128 == 0, "stages stay aligned");
-    static_assert(kSTiles % 2 == 0 && kDTiles % 2 == 0 && kDqTiles % 2 == 0 && kDqColGroups * kDqRowGroups == kNWarps,
-                  "tile shape");
+    static_assert(kSTiles % 2 == 0 && kDTiles % 2 == 0 && kDqTiles % kDqChunk == 0 && kDqChunk % 2 == 0 &&
+                  kDqColGroups * kDqRowGroups == kNWarps, "tile shape");
 };
 
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kCausal, bool kFloatDkv>
@@ -203,18 +207,18 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dk, dst_as_a, LdsmCursor<typename Tr::QTile>(q_smem, lane % 16, lane / 16),
                                                  col_group * Tr::kDTiles);  // dK += dS^T Q
         if (Tr::kDqInStage) __syncthreads();  // every warp is done with this stage's Q and dO: dQ goes there
-        // dQ = dS K for rows [dq_row0, +32) of this query block, two 8-column tiles at a time (fewer
-        // live registers next to the dK / dV accumulators).
+        // dQ = dS K for rows [dq_row0, +32) of this query block, kDqChunk 8-column tiles at a time
+        // (few live registers next to the dK / dV accumulators).
         const u32 dq_buf = dq_stage.buffer(it);
 #pragma unroll
-        for (int t0 = 0; t0 < Tr::kDqTiles; t0 += 2) {
-            float acc_dq[2][2][4];
+        for (int t0 = 0; t0 < Tr::kDqTiles; t0 += Tr::kDqChunk) {
+            float acc_dq[2][Tr::kDqChunk][4];
             zero_acc(acc_dq);
-            gemm_atb<T, 2, 2, kBlockN / 16>(acc_dq, dst_as_at, dq_row0 / 8, k_as_b, dq_tile0 + t0);
+            gemm_atb<T, 2, Tr::kDqChunk, kBlockN / 16>(acc_dq, dst_as_at, dq_row0 / 8, k_as_b, dq_tile0 + t0);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < 2; ++nt)
+                for (int nt = 0; nt < Tr::kDqChunk; ++nt)
                     dq_stage.store_fragment(dq_buf, dq_row0 + mt * 16 + lane / 4, (dq_tile0 + t0 + nt) * 8 + (lane % 4) * 2,
                                             acc_dq[mt][nt]);
         }
