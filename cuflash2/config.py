@@ -77,9 +77,10 @@ class KernelConfig:
         if self.kernel == BWD_FUSED:  # K, V; 2 stages of Q, dO, LSE, D; P^T, dS^T; 2 fp32 dQ buffers
             dq_buffer = m * (d + self.dq_row_pad_floats) * 4
             stage = 2 * m * d * 2 + 2 * m * 4
-            if d > 128:  # dQ staged over a consumed stage (FusedBwdTraits::kDqInStage)
-                return 2 * n * d * 2 + 2 * max(stage, dq_buffer) + 2 * n * m * 2
-            return 2 * n * d * 2 + 2 * stage + 2 * n * m * 2 + 2 * dq_buffer
+            fixed = 2 * n * d * 2 + 2 * n * m * 2
+            if fixed + 2 * stage + 2 * dq_buffer > SMEM_LIMIT_BYTES[90]:  # FusedBwdTraits::kDqInStage:
+                return fixed + 2 * max(stage, dq_buffer)  # dQ staged over a consumed Q/dO stage
+            return fixed + 2 * stage + 2 * dq_buffer
         return 0
 
     @property
@@ -133,17 +134,17 @@ class KernelConfig:
         """Column-permutation mask of the fp32 dQ accumulator this kernel fills through shared memory
         (DqStaging::swizzled_col, kernels_cu/dq_staging.cuh), which the convert kernel undoes: pairs
         of columns move by 8 * (row % 4) so that the staging stores avoid bank conflicts. Only for
-        head dims that are multiples of 32, and not in the fused kernel from head dim 128 up (no
-        registers to spare there); 0 means no permutation."""
-        swizzles = self.accumulates_dq and not (self.kernel == BWD_FUSED and self.head_dim >= 128)
+        head dims that are multiples of 32, and not in the fused kernel (it pads its rows instead:
+        dq_row_pad_floats); 0 means no permutation."""
+        swizzles = self.accumulates_dq and self.kernel != BWD_FUSED  # the fused kernel pads rows instead
         return 24 if swizzles and head_dim % 32 == 0 else 0
 
     @property
     def dq_row_pad_floats(self) -> int:
-        """Floats of padding after each staged row of fp32 dQ: the fused kernel from head dim 128 up
-        pads its rows by 16 bytes instead of swizzling columns, so that its staging stores avoid
-        bank conflicts without spending registers (FusedBwdTraits::kDqPadBytes, dq_staging.cuh)."""
-        return 4 if self.kernel == BWD_FUSED and self.head_dim >= 128 else 0
+        """Floats of padding after each staged row of fp32 dQ: the fused kernel pads its rows by 16
+        bytes instead of swizzling columns, so that its staging stores avoid bank conflicts without
+        spending registers (FusedBwdTraits::kDqPadBytes, dq_staging.cuh)."""
+        return 4 if self.kernel == BWD_FUSED else 0
 
     def dq_row_pitch(self, head_dim: int) -> int:
         """Floats per row of the fp32 dQ accumulator this kernel fills for a call with `head_dim`
@@ -347,10 +348,9 @@ _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 # group, so buckets 160 and 224 run the 192 and 256 instantiations on zero-padded columns.
 FUSED_BWD_HEAD_DIMS = (64, 128, 160, 192, 224, 256)
 _FUSED_BWD_WIDTH = {160: 192, 224: 256}
-# Buckets where the fused kernel is the default (H200, BENCHMARKS.md): at 128 it measured 1.1-1.26x
-# the two-kernel plan (seqlen 1k-4k), 1.08-1.38x at head dim 120 (padded columns); at 64, once its dQ
-# staging stores were free of bank conflicts, 1.05-1.08x (0.97x causal at seqlen 1k). Its 128-row
-# query blocks at head dim 64 were as fast but spill in the causal build, so 64 rows everywhere.
+# Buckets where the fused kernel is the default (H200, BENCHMARKS.md): at 128 it measured 1.1-1.33x
+# the two-kernel plan (seqlen 1k-4k), 1.08-1.38x at head dim 120 (padded columns); at 64 1.04-1.09x
+# (0.98x causal at seqlen 1k); at 160-256 1.06-1.45x the plan that splits dV from dK.
 FUSED_BWD_DEFAULT_BUCKETS = FUSED_BWD_HEAD_DIMS
 
 
@@ -363,12 +363,14 @@ def fused_backward_supported(bucket: int, arch: int, variant: bool = False, dete
             and fused_backward_config(bucket, "bf16", causal, gqa).smem_bytes <= smem_limit(arch))
 
 
-def fused_backward_config(bucket: int, dtype: str, causal: bool, gqa: bool, block_m: int = 64) -> KernelConfig:
+def fused_backward_config(bucket: int, dtype: str, causal: bool, gqa: bool, block_m: int | None = None) -> KernelConfig:
     # 32 keys per warp: 4 key groups x 2 column halves of a 128-key block up to head dim 128; above,
     # the dK/dV accumulators of half the columns would not fit in registers, so 2 key groups x 4
-    # column quarters of a 64-key block.
+    # column quarters of a 64-key block. Query blocks of 128 rows at head dim 64 (FA2's tile: half
+    # the iterations, each S^T fragment feeding more columns) measured 1.01-1.04x 64 rows on the H200.
     width = _FUSED_BWD_WIDTH.get(bucket, bucket)
     block_n = 128 if width <= 128 else 64
+    block_m = block_m or (128 if width == 64 else 64)
     return KernelConfig(BWD_FUSED, dtype, width, block_m, block_n, 8, 2, causal, (gqa,))
 
 
@@ -411,7 +413,7 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
                          f"causal={causal}, gqa={bool(gqa)}")
     if fused:
         return BackwardPlan(KernelConfig(BWD_DOT, dtype, bucket, warps=8),
-                            (fused_backward_config(bucket, dtype, causal, bool(gqa), tile[0] if tile else 64),), None,
+                            (fused_backward_config(bucket, dtype, causal, bool(gqa), tile[0] if tile else None),), None,
                             KernelConfig(BWD_CONVERT, dtype, warps=8))
     if deterministic and atomic_dq:
         raise ValueError("atomic_dq: fp32 atomics cannot be deterministic")

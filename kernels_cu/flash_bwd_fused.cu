@@ -39,24 +39,27 @@ struct FusedBwdTraits {
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using PTile = SwizzledTile<kBlockN, kBlockM>;   // P^T and dS^T
-    // dQ staging without bank conflicts (dq_staging.cuh): the column swizzle up to head dim 64; from
-    // 128 up it costs registers the kernel does not have (it spills), so 16 bytes of padding per row.
-    static constexpr bool kDqSwizzle = kHeadDim < 128;
-    static constexpr int kDqPadBytes = kDqSwizzle ? 0 : 16;
+    // dQ staging without bank conflicts (dq_staging.cuh): 16 bytes of padding per row, a compile-time
+    // pitch of the kernel's width. (The column swizzle costs registers: from head dim 128 up, and
+    // with 128-row query blocks, it spills.)
+    static constexpr bool kDqSwizzle = false;
+    static constexpr int kDqPadBytes = 16;
     static constexpr int kDqRowBytes = kHeadDim * 4 + kDqPadBytes;
-    // Above head dim 128 two fp32 dQ buffers of their own do not fit next to K, V and two Q/dO stages
-    // (d256: 64 + 129 + 16 + 128 KB), so dQ is staged over the stage just consumed (its Q, dO, LSE
-    // and D: fp32 dQ rows take the bytes of a Q row and a dO row, the padding a little more). The
-    // next query block then loads once the copy engine has read that stage out (see the loop).
-    static constexpr bool kDqInStage = kHeadDim > 128;
-    static constexpr int kQStageBytes = cmax(2 * QTile::kBytes + 2 * kBlockM * 4,  // Q, dO, LSE, D
-                                             kDqInStage ? kBlockM * kDqRowBytes : 0);
+    // Two fp32 dQ buffers of their own do not always fit next to K, V, two Q/dO stages and P^T / dS^T
+    // (d256: 64 + 129 + 16 + 130 KB; d64 with 128-row blocks: 32 + 66 + 64 + 68 KB). Then dQ is
+    // staged over the stage just consumed (its Q, dO, LSE and D: fp32 dQ rows take the bytes of a
+    // Q row and a dO row, the padding a little more), and the next query block loads once the copy
+    // engine has read that stage out (see the loop).
+    static constexpr int kPlainStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
+    static constexpr int kFixedBytes = 2 * KTile::kBytes + 2 * PTile::kBytes;     // K, V, P^T, dS^T
+    static constexpr int kSmemLimit = 227 * 1024;  // sm_90's per-block opt-in maximum
+    static constexpr bool kDqInStage = kFixedBytes + 2 * kPlainStageBytes + 2 * kBlockM * kDqRowBytes > kSmemLimit;
+    static constexpr int kQStageBytes = cmax(kPlainStageBytes, kDqInStage ? kBlockM * kDqRowBytes : 0);
     using DqStage = DqStaging<kBlockM, kHeadDim, kDqSwizzle, kDqPadBytes,
                               kDqInStage ? kQStageBytes : kBlockM * kDqRowBytes>;
-    static constexpr int kSmemBytes =
-        2 * KTile::kBytes + 2 * kQStageBytes + 2 * PTile::kBytes + (kDqInStage ? 0 : DqStage::kBytes);
+    static constexpr int kSmemBytes = kFixedBytes + 2 * kQStageBytes + (kDqInStage ? 0 : DqStage::kBytes);
     static_assert(kNWarps == 8 && kBlockN % kWarpKeys == 0 && kNWarps % kKeyGroups == 0, "32-key warps, 8 of them");
-    static_assert(kQStageBytes % 128 == 0, "stages stay aligned");
+    static_assert(kQStageBytes % 128 == 0 && kSmemBytes <= kSmemLimit, "stages stay aligned, and fit");
     static_assert(kSTiles % 2 == 0 && kDTiles % 2 == 0 && kDqTiles % kDqChunk == 0 && kDqChunk % 2 == 0 &&
                   kDqColGroups * kDqRowGroups == kNWarps, "tile shape");
 };

@@ -345,7 +345,7 @@ def test_fused_backward_smem_and_compile_list():
     assert c.smem_bytes == 2 * 128 * 128 * 2 + 2 * (2 * 64 * 128 * 2 + 2 * 64 * 4) + 2 * 128 * 64 * 2 + dq_buffers
     assert c.smem_bytes <= smem_limit(90)
     assert c.short_id() == "bwd-fused-fp16-d128-causal-m64n128w8s2"
-    assert config.fused_backward_config(64, "bf16", False, True).short_id() == "bwd-fused-bf16-d64-full-m64n128w8s2-f32"
+    assert config.fused_backward_config(64, "bf16", False, True).short_id() == "bwd-fused-bf16-d64-full-m128n128w8s2-f32"
     assert "flash_bwd_fused_kernel<Fp16, 128, 64, 128, 8, true, false>" == c.template_name()
     fused = {c for c in config.all_backward_configs(90) if c.kernel == config.BWD_FUSED}
     assert len(fused) == 4 * 2 * 2 * 2  # widths 64, 128, 192, 256 x dtypes x causal x gqa
@@ -362,7 +362,7 @@ def test_fused_backward_above_128_uses_64_key_blocks_and_stages_dq_over_q(head_d
     stage = max(2 * 64 * width * 2 + 2 * 64 * 4, 64 * (width * 4 + 16))  # Q, dO, LSE, D or padded fp32 dQ rows
     assert c.smem_bytes == 2 * 64 * width * 2 + 2 * stage + 2 * 64 * 64 * 2
     assert c.smem_bytes <= smem_limit(90)
-    assert c.dq_column_swizzle(head_dim) == 0  # no registers for the staging swizzle from 128 up
+    assert c.dq_column_swizzle(head_dim) == 0 and c.dq_row_pad_floats == 4  # padded, not swizzled
     assert not any(c.kernel == config.BWD_FUSED for c in config.all_backward_configs(80))
 
 

@@ -111,14 +111,15 @@ def test_dq_accumulator_swizzle_permutes_within_rows_and_spreads_banks(head_dim)
         assert max(banks.count(b) for b in set(banks)) == 2  # each 8-byte bank pair serves 2 lanes
 
 
-@pytest.mark.parametrize("head_dim", [104, 120, 128, 160, 192, 200, 256])
+@pytest.mark.parametrize("head_dim", [40, 64, 104, 120, 128, 160, 192, 200, 256])
 def test_fused_dq_rows_padded_instead_of_swizzled_spread_banks(head_dim):
-    """From head dim 128 up the fused kernel pads each staged dQ row (and accumulator row) by 16
-    bytes instead of permuting columns: a warp's fragment store (8 rows x 4 lanes x 2 floats) must
+    """The fused kernel pads each staged dQ row (and accumulator row) by 16 bytes instead of
+    permuting columns: a warp's fragment store (8 rows x 4 lanes x 2 floats) must
     then still take the minimum of 2 wavefronts, i.e. no 8-byte bank pair serves more than 2 lanes."""
     fused = config.backward_plan(head_dim, "bf16", False, 90).main[0]
     assert fused.kernel == config.BWD_FUSED and fused.dq_column_swizzle(head_dim) == 0
-    pitch = head_dim + fused.dq_row_pad_floats  # fp32 words per staged row
+    pitch = fused.dq_row_pitch(head_dim)  # fp32 words per staged row: the kernel's width, padded
+    assert pitch == fused.head_dim + 4
     assert fused.dq_row_pad_floats == 4 and (pitch * 4) % 16 == 0  # bulk copies move 16-byte units
     for first_col in range(0, head_dim, 8):
         banks = [((row * pitch + first_col + 2 * (lane % 4)) % 32) // 2 for lane in range(32) for row in [lane // 4]]
@@ -127,12 +128,11 @@ def test_fused_dq_rows_padded_instead_of_swizzled_spread_banks(head_dim):
     assert head_dim % 32 or max(unpadded.count(b) for b in set(unpadded)) == 8  # what the padding avoids
 
 
-def test_fused_kernel_at_head_dim_128_keeps_the_plain_dq_layout():
-    fused = config.backward_plan(128, "bf16", False, 90).main[0]
-    assert fused.kernel == config.BWD_FUSED and fused.dq_column_swizzle(128) == 0
-    assert config.fused_backward_config(64, "bf16", False, False).dq_row_pad_floats == 0
-    assert config.fused_backward_config(64, "bf16", False, False).dq_column_swizzle(64) == 24
-    assert config.backward_plan(64, "bf16", False, 90).main[0].dq_column_swizzle(64) == 24  # fused at 64
+def test_only_the_atomic_dq_main_kernel_swizzles_the_dq_accumulator():
+    assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_column_swizzle(64) == 24
+    assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_row_pitch(60) == 60
+    assert config.backward_plan(64, "bf16", False, 90).main[0].dq_column_swizzle(64) == 0  # fused: padded
+    assert config.backward_plan(64, "bf16", False, 90).main[0].dq_row_pitch(60) == 68
     assert config.backward_plan(64, "bf16", False, 90, deterministic=True).main[0].dq_column_swizzle(64) == 0
 
 
