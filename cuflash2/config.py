@@ -348,8 +348,8 @@ _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 # group, so buckets 160 and 224 run the 192 and 256 instantiations on zero-padded columns.
 FUSED_BWD_HEAD_DIMS = (64, 128, 160, 192, 224, 256)
 _FUSED_BWD_WIDTH = {160: 192, 224: 256}
-# Buckets where the fused kernel is the default (H200, BENCHMARKS.md): at 128 it measured 1.1-1.33x
-# the two-kernel plan (seqlen 1k-4k), 1.08-1.38x at head dim 120 (padded columns); at 64 1.04-1.09x
+# Buckets where the fused kernel is the default (H200, BENCHMARKS.md): at 128 it measured 1.03-1.32x
+# the two-kernel plan (seqlen 1k-4k), 1.08-1.38x at head dim 120 (padded columns); at 64 1.07-1.09x
 # (0.98x causal at seqlen 1k); at 160-256 1.06-1.45x the plan that splits dV from dK.
 FUSED_BWD_DEFAULT_BUCKETS = FUSED_BWD_HEAD_DIMS
 
