@@ -32,10 +32,6 @@ struct FusedBwdTraits {
     static constexpr int kDqRowGroups = kBlockM / 32;
     static constexpr int kDqColGroups = kNWarps / kDqRowGroups;
     static constexpr int kDqTiles = kHeadDim / kDqColGroups / 8;
-    // dQ = dS K is computed kDqChunk 8-column tiles at a time: each pass reloads the dS fragments,
-    // so wider passes read less shared memory but keep more accumulators live. 4 fits the registers
-    // at head dim 256 only (the others spill with it).
-    static constexpr int kDqChunk = kHeadDim == 256 ? 4 : 2;
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using PTile = SwizzledTile<kBlockN, kBlockM>;   // P^T and dS^T
@@ -60,14 +56,21 @@ struct FusedBwdTraits {
     static constexpr int kSmemBytes = kFixedBytes + 2 * kQStageBytes + (kDqInStage ? 0 : DqStage::kBytes);
     static_assert(kNWarps == 8 && kBlockN % kWarpKeys == 0 && kNWarps % kKeyGroups == 0, "32-key warps, 8 of them");
     static_assert(kQStageBytes % 128 == 0 && kSmemBytes <= kSmemLimit, "stages stay aligned, and fit");
-    static_assert(kSTiles % 2 == 0 && kDTiles % 2 == 0 && kDqTiles % kDqChunk == 0 && kDqChunk % 2 == 0 &&
-                  kDqColGroups * kDqRowGroups == kNWarps, "tile shape");
+    static_assert(kSTiles % 2 == 0 && kDTiles % 2 == 0 && kDqTiles % 2 == 0 && kDqColGroups * kDqRowGroups == kNWarps,
+                  "tile shape");
 };
 
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kCausal, bool kFloatDkv>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     using Tr = FusedBwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    // dQ = dS K is computed kDqChunk 8-column tiles at a time. Wider passes give the tensor cores
+    // more independent accumulators per k-step (the product is latency-bound with 4) and reload the
+    // dS fragments less often, but keep more registers live: 4 measured 1.03-1.07x, and is used
+    // where it compiles without spills under NVRTC 12.9 and 13.x: head dim 256, and head dim 64
+    // except its non-causal MHA build (8 bytes under 12.9); head dim 128 spills 4-28 bytes with it.
+    constexpr int kDqChunk =
+        Tr::kDqTiles % 4 == 0 && (kHeadDim == 256 || (kHeadDim == 64 && (kCausal || kFloatDkv))) ? 4 : 2;
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int key_group = warp % Tr::kKeyGroups, col_group = warp / Tr::kKeyGroups;
@@ -214,14 +217,14 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         // (few live registers next to the dK / dV accumulators).
         const u32 dq_buf = dq_stage.buffer(it);
 #pragma unroll
-        for (int t0 = 0; t0 < Tr::kDqTiles; t0 += Tr::kDqChunk) {
-            float acc_dq[2][Tr::kDqChunk][4];
+        for (int t0 = 0; t0 < Tr::kDqTiles; t0 += kDqChunk) {
+            float acc_dq[2][kDqChunk][4];
             zero_acc(acc_dq);
-            gemm_atb<T, 2, Tr::kDqChunk, kBlockN / 16>(acc_dq, dst_as_at, dq_row0 / 8, k_as_b, dq_tile0 + t0);
+            gemm_atb<T, 2, kDqChunk, kBlockN / 16>(acc_dq, dst_as_at, dq_row0 / 8, k_as_b, dq_tile0 + t0);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < Tr::kDqChunk; ++nt)
+                for (int nt = 0; nt < kDqChunk; ++nt)
                     dq_stage.store_fragment(dq_buf, dq_row0 + mt * 16 + lane / 4, (dq_tile0 + t0 + nt) * 8 + (lane % 4) * 2,
                                             acc_dq[mt][nt]);
         }
