@@ -36,9 +36,8 @@ struct FusedBwdTraits {
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using PTile = SwizzledTile<kBlockN, kBlockM>;   // P^T and dS^T
     // dQ staging without bank conflicts (dq_staging.cuh): 16 bytes of padding per row, a compile-time
-    // pitch of the kernel's width. (The column swizzle costs registers: from head dim 128 up, and
-    // with 128-row query blocks, it spills.)
-    static constexpr bool kDqSwizzle = false;
+    // pitch of the kernel's width; the host allocates the accumulator alike (KernelConfig.dq_row_pitch).
+    // (The column swizzle costs registers: from head dim 128 up, and with 128-row query blocks, it spills.)
     static constexpr int kDqPadBytes = 16;
     static constexpr int kDqRowBytes = kHeadDim * 4 + kDqPadBytes;
     // Two fp32 dQ buffers of their own do not always fit next to K, V, two Q/dO stages and P^T / dS^T
@@ -51,7 +50,7 @@ struct FusedBwdTraits {
     static constexpr int kSmemLimit = 227 * 1024;  // sm_90's per-block opt-in maximum
     static constexpr bool kDqInStage = kFixedBytes + 2 * kPlainStageBytes + 2 * kBlockM * kDqRowBytes > kSmemLimit;
     static constexpr int kQStageBytes = cmax(kPlainStageBytes, kDqInStage ? kBlockM * kDqRowBytes : 0);
-    using DqStage = DqStaging<kBlockM, kHeadDim, kDqSwizzle, kDqPadBytes,
+    using DqStage = DqStaging<kBlockM, kHeadDim, false, kDqPadBytes,
                               kDqInStage ? kQStageBytes : kBlockM * kDqRowBytes>;
     static constexpr int kSmemBytes = kFixedBytes + 2 * kQStageBytes + (kDqInStage ? 0 : DqStage::kBytes);
     static_assert(kNWarps == 8 && kBlockN % kWarpKeys == 0 && kNWarps % kKeyGroups == 0, "32-key warps, 8 of them");
@@ -84,18 +83,14 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     const u32 k_smem = smem_addr(smem), v_smem = k_smem + Tr::KTile::kBytes;
     const u32 stage0 = v_smem + Tr::KTile::kBytes;
     const u32 pt_smem = stage0 + 2 * Tr::kQStageBytes, dst_smem = pt_smem + Tr::PTile::kBytes;
-    // Padded dQ rows have the instantiation's width (a compile-time pitch: the staging stores keep
-    // immediate offsets); swizzled ones the call's head dim. The host allocates the accumulator
-    // alike (KernelConfig.dq_row_pitch).
-    const int dq_row_bytes = Tr::kDqSwizzle ? head_dim * 4 : Tr::kDqRowBytes;
-    const typename Tr::DqStage dq_stage{Tr::kDqInStage ? stage0 : dst_smem + Tr::PTile::kBytes, dq_row_bytes};
+    const typename Tr::DqStage dq_stage{Tr::kDqInStage ? stage0 : dst_smem + Tr::PTile::kBytes, Tr::kDqRowBytes};
 
     // Per-block addresses are recomputed where used (a few integer ops) rather than kept live
     // through the loop next to the dK / dV accumulators.
-    // dq_accum: (batch, head, seqlen_q rounded up to kBlockM, dq_row_bytes / 4) fp32
+    // dq_accum: (batch, head, seqlen_q rounded up to kBlockM, kDqRowBytes / 4) fp32
     auto dq_block = [&](int m_block) {
         const i64 rows = (i64)(seq.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
-        return dq_accum + (((i64)batch * gridDim.y + head) * rows + (i64)m_block * kBlockM) * (dq_row_bytes / 4);
+        return dq_accum + (((i64)batch * gridDim.y + head) * rows + (i64)m_block * kBlockM) * (Tr::kDqRowBytes / 4);
     };
     const int m_begin = mask.query_block_begin(n_block, kBlockM, kBlockN);
     const int m_end = mask.query_block_end(n_block, kBlockM, kBlockN);

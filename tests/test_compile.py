@@ -96,7 +96,8 @@ def test_fused_backward_shared_memory_matches_the_kernel_traits():
     c = cfg.backward_plan(64, "bf16", True, 90, tile=(64, 8, 2), fused=True).main[0]
     tiles[f"FusedBwdTraits<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}>"] = (c.smem_bytes, 16, c.short_id())
     asserts = [f'static_assert({t}::kSmemBytes == {smem} && {t}::kDqPadBytes == {pad} && '
-               f'{t}::kDqSwizzle == !{pad}, "{name}");' for t, (smem, pad, name) in tiles.items()]
+               f'{t}::kDqRowBytes == {t.split("<")[1].split(",")[0]} * 4 + {pad}, "{name}");'
+               for t, (smem, pad, name) in tiles.items()]
     ok, log = _compiles_with_asserts("flash_bwd_fused.cu", asserts)
     assert ok, f"host and kernel disagree on fused backward shared memory:\n{log[:2000]}"
     assert len(tiles) == 5
