@@ -50,7 +50,7 @@ class KernelConfig:
 
     kernel: str
     dtype: str  # "bf16" | "fp16"
-    head_dim: int = 0  # the bucket, not the user's head dim
+    head_dim: int = 0  # the bucket (the fused backward's width for buckets 160/224), not the user's head dim
     block_m: int = 0
     block_n: int = 0
     warps: int = 4
@@ -407,10 +407,16 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
         fused = (supported and bucket in FUSED_BWD_DEFAULT_BUCKETS and atomic_dq is None and split is None
                  and tile is None)
     if fused and not supported:
-        raise ValueError(f"fused: the one-pass backward needs sm_90, plain attention, non-deterministic mode, a "
-                         f"head dim in buckets {FUSED_BWD_HEAD_DIMS} and not causal GQA at 128; got head dim "
-                         f"{head_dim}, arch {arch}, variant={variant}, deterministic={deterministic}, "
+        raise ValueError(f"fused: the one-pass backward needs sm_90 with 227 KB of shared memory per block, plain "
+                         f"attention, non-deterministic mode and a head dim in buckets {FUSED_BWD_HEAD_DIMS}; got "
+                         f"head dim {head_dim}, arch {arch}, variant={variant}, deterministic={deterministic}, "
                          f"causal={causal}, gqa={bool(gqa)}")
+    if fused and tile:
+        config = fused_backward_config(bucket, dtype, causal, bool(gqa), tile[0])
+        if config.smem_bytes > smem_limit(arch):
+            raise ValueError(f"tile: the fused backward with {tile[0]}-row query blocks needs {config.smem_bytes} B "
+                             f"of shared memory at head dim {head_dim}, more than the {smem_limit(arch)} B of arch "
+                             f"{arch}")
     if fused:
         return BackwardPlan(KernelConfig(BWD_DOT, dtype, bucket, warps=8),
                             (fused_backward_config(bucket, dtype, causal, bool(gqa), tile[0] if tile else None),), None,

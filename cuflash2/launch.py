@@ -149,7 +149,8 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
 def _convert(config, device_id, stream, acc: TensorInfo, out: TensorInfo, batch, seqlen, nheads, head_dim, group,
              scale, heads_major=False, col_swizzle=0):
     """out <- scale * acc summed over each group of `group` heads; acc is (b, s, h, d), or
-    (b, h, s_padded, d) when heads_major; its columns permuted by `col_swizzle` (KernelConfig.dq_column_swizzle)."""
+    (b, h, s_padded, pitch) when heads_major (KernelConfig.dq_row_pitch; columns past d are not read); its
+    columns permuted by `col_swizzle` (KernelConfig.dq_column_swizzle)."""
     batch_stride, row_stride, head_stride = acc.strides[:3]
     if heads_major:
         row_stride, head_stride = head_stride, row_stride

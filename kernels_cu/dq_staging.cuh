@@ -53,8 +53,9 @@ struct DqStaging {
         return dq_swizzled_col(row, col, kSwizzle && row_bytes % 128 == 0 ? 24 : 0);
     }
 
-    // Rows (row, row + 8), columns (col, col + 1) of an MMA accumulator fragment (padded columns
-    // past head_dim are dropped).
+    // Rows (row, row + 8), columns (col, col + 1) of an MMA accumulator fragment. With unpadded rows
+    // (row_bytes = head_dim * 4) columns past head_dim are dropped; padded rows span the kernel's
+    // full width, whose columns past head_dim hold zeros (K's zero-filled columns).
     CF_DEVICE void store_fragment(u32 buf, int row, int col, const float (&frag)[4]) const {
         if (col * 4 >= row_bytes - kPadBytes) return;  // (never with the padded rows of full width)
         const int byte = swizzled_col(row, col) * 4;  // the same for row + 8
@@ -62,8 +63,10 @@ struct DqStaging {
         st_shared_f32x2(buf + (row + 8) * row_bytes + byte, frag[2], frag[3]);
     }
 
-    // Adds the staged block to dq_block[0 : kBlockM * head_dim] (rows past the sequence's end land
-    // in the accumulator's padding). Every thread calls it after storing its fragments.
+    // Adds the staged block to dq_block[0 : kBlockM * row_bytes / 4] (rows past the sequence's end
+    // land in the accumulator's padding rows; the never-written pad bytes of padded rows add
+    // whatever shared memory held into pad columns that nothing reads). Every thread calls it after
+    // storing its fragments.
     CF_DEVICE void flush(u32 buf, float* dq_block, int tid) const {
         order_stores_before_bulk();
         __syncthreads();
@@ -86,6 +89,14 @@ struct DqStaging {
 #else
         static_assert(kBlockM < 0, "dQ accumulation in the main backward kernel needs sm_90 (the planner "
                                    "uses the dQ kernel on older GPUs)");
+#endif
+    }
+
+    // Before thread tid's next writes to any buffer a reduction may still be reading (kernels that
+    // stage dQ over memory of their own: every issued reduction has read its source).
+    CF_DEVICE void wait_all_read(int tid) const {
+#if CF_HAS_BULK_REDUCE
+        if (tid == 0) bulk_wait_read<0>();
 #endif
     }
 

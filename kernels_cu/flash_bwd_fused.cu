@@ -47,7 +47,7 @@ struct FusedBwdTraits {
     // engine has read that stage out (see the loop).
     static constexpr int kPlainStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
     static constexpr int kFixedBytes = 2 * KTile::kBytes + 2 * PTile::kBytes;     // K, V, P^T, dS^T
-    static constexpr int kSmemLimit = 227 * 1024;  // sm_90's per-block opt-in maximum
+    static constexpr int kSmemLimit = 227 * 1024;  // sm_90's per-block opt-in maximum (d128 uses all of it)
     static constexpr bool kDqInStage = kFixedBytes + 2 * kPlainStageBytes + 2 * kBlockM * kDqRowBytes > kSmemLimit;
     static constexpr int kQStageBytes = cmax(kPlainStageBytes, kDqInStage ? kBlockM * kDqRowBytes : 0);
     using DqStage = DqStaging<kBlockM, kHeadDim, false, kDqPadBytes,
@@ -196,7 +196,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
                     *reinterpret_cast<u32*>(smem + (dst_smem - k_smem) + p_tile_offset(mt, nt, r)) = T::pack(ds_lo, ds_hi);
                 }
         if (Tr::kDqInStage) {
-            if (tid == 0) bulk_wait_read<0>();  // the other stage's dQ (issued above) has been read out
+            dq_stage.wait_all_read(tid);  // the other stage's dQ (issued above) has been read out
         } else {
             dq_stage.wait_buffer_free(tid);
         }

@@ -337,6 +337,10 @@ def test_fused_backward_default_and_limits():
     for kw in ({"head_dim": 96}, {"head_dim": 32}, {"arch": 80}, {"variant": True}, {"deterministic": True}):
         with pytest.raises(ValueError, match="fused: the one-pass backward needs sm_90"):
             main(**{"head_dim": 128, "fused": True, **kw})
+    # a tuning tile that does not fit is refused before any compilation
+    with pytest.raises(ValueError, match="tile: the fused backward with 128-row query blocks needs"):
+        main(head_dim=256, fused=True, tile=(128, 8, 2))
+    assert main(head_dim=64, fused=True, tile=(64, 8, 2))[0].block_m == 64
 
 
 def test_fused_backward_smem_and_compile_list():
