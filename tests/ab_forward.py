@@ -41,38 +41,57 @@ def kernel_from(folder, config):
     return kernel
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("old_dir")
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    device = cp.cuda.Device().id
+    return parser.parse_args()
+
+
+def problems(args, n_inputs):
+    """FA2's grid point per head dim of args (batch x seqlen = 16k, model dim 2048), causal or not:
+    (head_dim, causal, AttentionShape, n_inputs random fp16 arrays of shape (b, s, h, d))."""
     s = args.seqlen
     for d in map(int, args.head_dims.split(",")):
         for causal in (False, True):
             b, h = 16384 // s, 2048 // d
-            q, k, v = (cp.random.standard_normal((b, s, h, d), dtype=np.float32).astype(np.float16) for _ in range(3))
-            shape = AttentionShape(b, s, s, h, h, d, "float16", 1 / math.sqrt(d))
-            out, lse = cp.empty_like(q), cp.empty((b, h, s), dtype=np.float32)
-            infos = [describe("x", x) for x in (q, k, v, out, lse)]
-            fp16 = forward_config(d, "fp16", causal, launch.device_arch(device))
-            kernels = {"new": compiler.get_kernel(fp16, device), "old": kernel_from(pathlib.Path(args.old_dir), fp16)}
-            flops = bench.attention_flops(b, s, s, h, d, causal)
-            results = {"new": [], "old": []}
-            for _ in range(args.rounds):
-                for name in ("new", "old"):
-                    compiler._loaded[(device, fp16)] = kernels[name]
-                    stream = cp.cuda.get_current_stream()
-                    ms = bench.time_cuda_ms(lambda i=infos, sh=shape, c=causal, st=stream, cf=fp16:
-                                            launch.forward(*i, sh, c, device, st, cf))
-                    results[name].append(flops / ms / 1e9)
-            compiler._loaded[(device, fp16)] = kernels["new"]
-            new, old = statistics.median(results["new"]), statistics.median(results["old"])
-            print(f"{fp16.short_id():40s} new {new:6.1f} old {old:6.1f} new/old {new / old:.3f}  "
-                  f"rounds new {[round(x) for x in results['new']]} old {[round(x) for x in results['old']]}",
-                  flush=True)
+            arrays = [cp.random.standard_normal((b, s, h, d), dtype=np.float32).astype(np.float16)
+                      for _ in range(n_inputs)]
+            yield d, causal, AttentionShape(b, s, s, h, h, d, "float16", 1 / math.sqrt(d)), arrays
+
+
+def compare(args, device, configs, run, flops, label_width=40):
+    """Times `run` with the kernels of `configs` compiled from this tree ("new") and from
+    args.old_dir ("old"), alternately for args.rounds rounds; prints the median TFLOP/s of each."""
+    kernels = {"new": [compiler.get_kernel(c, device) for c in configs],
+               "old": [kernel_from(pathlib.Path(args.old_dir), c) for c in configs]}
+    results = {"new": [], "old": []}
+    for _ in range(args.rounds):
+        for name in ("new", "old"):
+            for config, kernel in zip(configs, kernels[name]):
+                compiler._loaded[(device, config)] = kernel
+            results[name].append(flops / bench.time_cuda_ms(run) / 1e9)
+    for config, kernel in zip(configs, kernels["new"]):
+        compiler._loaded[(device, config)] = kernel
+    new, old = statistics.median(results["new"]), statistics.median(results["old"])
+    print(f"{configs[-1].short_id():{label_width}s} new {new:6.1f} old {old:6.1f} new/old {new / old:.3f}  "
+          f"rounds new {[round(x) for x in results['new']]} old {[round(x) for x in results['old']]}",
+          flush=True)
+
+
+def main():
+    args = parse_args()
+    device = cp.cuda.Device().id
+    stream = cp.cuda.get_current_stream()
+    for d, causal, shape, (q, k, v) in problems(args, 3):
+        b, s, h = shape.batch, shape.seqlen_q, shape.nheads
+        out, lse = cp.empty_like(q), cp.empty((b, h, s), dtype=np.float32)
+        infos = [describe("x", x) for x in (q, k, v, out, lse)]
+        fp16 = forward_config(d, "fp16", causal, launch.device_arch(device))
+        compare(args, device, [fp16], lambda: launch.forward(*infos, shape, causal, device, stream, fp16),
+                bench.attention_flops(b, s, s, h, d, causal))
 
 
 if __name__ == "__main__":
