@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from . import interop, launch, reference
+from . import interop, kvcache_step, launch, reference
 from .api import numpy_alibi
 from .config import KernelConfig, kvcache_config, kvcache_helper_configs
 from .features import Features, check_alibi, check_softcap, check_window
@@ -38,23 +38,28 @@ from .validate import (
 )
 
 _THREADS = 256
-_MAX_SPLITS = 128
+_MAX_SPLITS = 128  # the combine kernel's kMaxCombineSplits
+#: False sends every call through the full path (A/B timing of the decoding-step fast path).
+FAST_STEPS = True
 
 
 def num_splits_heuristic(blocks: int, slots: int, key_blocks: int, max_splits: int = _MAX_SPLITS) -> int:
     """Splits of the key range that fill `slots` concurrent thread blocks best (pure).
 
     blocks: thread blocks without splitting; key_blocks: key blocks per sequence (upper bound).
-    When even the largest split fits in one wave it is taken (decoding is bound by memory traffic,
-    so more blocks in flight is better). Otherwise the waves of blocks * splits over the slots should
-    end as full as possible; among splits within 15% of the best wave efficiency the smallest wins
-    (fewer partial results to combine).
+    Decoding is bound by memory traffic, so more blocks in flight is better: when even the largest
+    split fits in one wave it is taken, and otherwise, when at least two splits per block fit, the
+    splits that fill exactly one wave (every slot busy, each block's share of the keys smallest).
+    Otherwise the waves of blocks * splits over the slots should end as full as possible; among
+    splits within 15% of the best wave efficiency the smallest wins (fewer partial results).
     """
     if blocks <= 0 or key_blocks <= 1 or blocks >= 0.8 * slots:
         return 1
     limit = max(1, min(max_splits, slots, key_blocks))
     if blocks * limit <= slots:  # everything fits in one wave: as many blocks in flight as possible
         return limit
+    if 2 * blocks <= slots:  # one full wave
+        return slots // blocks
 
     def efficiency(splits: int) -> float:
         waves = blocks * splits / slots
@@ -166,6 +171,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (cache_seqlens, cache_batch_idx, block_table, ...) are not checked on the host; the kernels
     clamp or skip them, so they never read or write outside the given buffers.
     """
+    arrays = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+              rotary_cos, rotary_sin)  # kvcache_step.INPUT_BUFFERS
+    step_key = kvcache_step.call_key(q, arrays, (softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                                                 num_splits, return_softmax_lse)) if FAST_STEPS else None
+    step = kvcache_step.lookup(step_key)
+    if step is not None:  # a decoding step of a signature seen before
+        result = step(arrays)
+        if result is not None:
+            return result
     window, softcap = check_window(window_size), check_softcap(softcap)
     if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
@@ -178,7 +192,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     with interop.gpu_call(q) as call:
         return _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                             cache_leftpad, block_table, softmax_scale, bool(causal), window, softcap,
-                            bool(rotary_interleaved), alibi_slopes, int(num_splits), return_softmax_lse)
+                            bool(rotary_interleaved), alibi_slopes, int(num_splits), return_softmax_lse,
+                            (step_key, arrays))
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
@@ -238,9 +253,15 @@ class _Plan:
 _plans: dict = {}
 
 
+def clear_plans() -> None:
+    """Forget every launch plan and fast-path step (after changing a tile rule, for instance)."""
+    _plans.clear()
+    kvcache_step.clear()
+
+
 def _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                  cache_leftpad, block_table, softmax_scale, causal, window, softcap, interleaved, alibi_slopes,
-                 num_splits, return_softmax_lse):
+                 num_splits, return_softmax_lse, fast_step=(None, ())):
     cp = interop.import_cupy()
     infos, keep = _describe_inputs(call, cp, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                    cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
@@ -272,6 +293,9 @@ def _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         pointers["lse_partial"] = partial.data.ptr + plan.partial_rows * cache.head_dim * 4
     for step in plan.launches:
         step.run(call, pointers)
+    step_key, arrays = fast_step
+    if kvcache_step.lookup(step_key) is None:
+        kvcache_step.register(step_key, plan, infos, arrays, call.device_id, q, bool(return_softmax_lse))
     del keep  # stream-ordered: the scratch is reused only by work queued after this point
     return (call.result(out), call.result(lse)) if return_softmax_lse else call.result(out)
 
@@ -300,7 +324,8 @@ def _describe_inputs(call, cp, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin
         infos[name] = None
         if x is not None:
             given = call.to_cupy(name, x)
-            fp32 = cp.ascontiguousarray(interop.as_float32(cp, given))
+            fp32 = given if given.dtype == np.float32 and given.flags.c_contiguous else \
+                cp.ascontiguousarray(interop.as_float32(cp, given))
             keep.append(fp32)
             infos[name] = dataclasses.replace(interop.describe(name, given), data_ptr=fp32.data.ptr)
     if infos["rotary_cos"] is not None and infos["cache_seqlens"] is None:

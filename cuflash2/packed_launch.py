@@ -66,10 +66,16 @@ _slots = _ThreadSlots()
 
 def launch(kernel, grid, threads: int, smem_bytes: int, stream, args: tuple) -> None:
     """Launch a CuPy RawKernel `kernel` on `stream` (the device's context must be current)."""
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    launch_packed(kernel.kernel.ptr, grid, threads, smem_bytes, stream.ptr, slot_format(tuple(map(type, args))), args)
+
+
+def launch_packed(function: int, grid: tuple, threads: int, smem_bytes: int, stream: int, packer: struct.Struct,
+                  args) -> None:
+    """Launch the CUfunction `function` with a 3-d grid on the raw stream handle `stream`, the
+    arguments packed by `packer` (see slot_format; Python scalars or the numpy types it was made for)."""
     from cupy_backends.cuda.api import driver
 
     values, _, addresses_ptr = _slots.get(len(args))
-    pack_slots(args, values)
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    driver.launchKernel(kernel.kernel.ptr, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream.ptr,
-                        addresses_ptr, 0)
+    packer.pack_into(values, 0, *args)
+    driver.launchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream, addresses_ptr, 0)

@@ -63,8 +63,15 @@ rotary_copy_kernel(const u16* __restrict__ src, i64 src_batch_stride, i64 src_ro
 }
 
 // out[b, i, h, :] = sum_s exp(lse_s - lse) o_s with lse = log sum_s exp(lse_s), over the splits that
-// saw a key (lse_s finite); rows no split saw get out 0 and lse +inf. One warp per (b, h, i); each
-// lane owns column pairs.
+// saw a key (lse_s finite); rows no split saw get out 0 and lse +inf. One warp per (b, h, i).
+// Decoding has few rows (batch x heads) and up to kMaxCombineSplits splits, so the work is spread
+// over the splits, not only the columns: lane j holds the LSEs of splits j, j + 32, ... (a warp
+// reduction gives the row's LSE), and the partial outputs are read as independent 16-byte loads,
+// each lane owning 4 columns. Every split writes every row of its partials (0 where it saw no key),
+// so no load depends on a weight.
+constexpr int kMaxCombineSplits = 128;
+constexpr int kCombineSplitsPerLane = kMaxCombineSplits / 32;
+
 template <class T>
 __global__ void __launch_bounds__(256)
 flash_fwd_combine_kernel(const float* __restrict__ o_partial, const float* __restrict__ lse_partial,
@@ -75,35 +82,64 @@ flash_fwd_combine_kernel(const float* __restrict__ o_partial, const float* __res
     const i64 rows = (i64)batch * nheads * seqlen_q;
     if (row_id >= rows) return;
     const i64 split_stride = rows;  // partial buffers are (split, b, h, i[, d]) contiguous
+    float split_lse[kCombineSplitsPerLane];
     float lse_max = -CF_INF;
-    for (int s = 0; s < num_splits; ++s) {
-        const float l = lse_partial[s * split_stride + row_id];
-        if (l != CF_INF) lse_max = fmaxf(lse_max, l);
+#pragma unroll
+    for (int k = 0; k < kCombineSplitsPerLane; ++k) {
+        const int s = lane + 32 * k;
+        split_lse[k] = s < num_splits ? lse_partial[s * split_stride + row_id] : CF_INF;
+        if (split_lse[k] != CF_INF) lse_max = fmaxf(lse_max, split_lse[k]);
     }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) lse_max = fmaxf(lse_max, shfl_xor(lse_max, offset));
     const bool empty = lse_max == -CF_INF;
     float total = 0.f;
-    if (!empty)
-        for (int s = 0; s < num_splits; ++s) {
-            const float l = lse_partial[s * split_stride + row_id];
-            if (l != CF_INF) total += __expf(l - lse_max);
-        }
+#pragma unroll
+    for (int k = 0; k < kCombineSplitsPerLane; ++k)
+        if (split_lse[k] != CF_INF) total += __expf(split_lse[k] - lse_max);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) total += shfl_xor(total, offset);
     const float row_lse = empty ? CF_INF : lse_max + __logf(total);
+    float weight[kCombineSplitsPerLane];  // of split lane + 32 k
+#pragma unroll
+    for (int k = 0; k < kCombineSplitsPerLane; ++k)
+        weight[k] = split_lse[k] == CF_INF || empty ? 0.f : __expf(split_lse[k] - row_lse);
+
     const int b = (int)(row_id / ((i64)nheads * seqlen_q));
     const int h = (int)((row_id / seqlen_q) % nheads);
     const int i = (int)(row_id % seqlen_q);
     if (lane == 0) lse[row_id] = row_lse;
     u16* dst = out + b * o_batch_stride + (i64)i * o_row_stride + h * o_head_stride;
-    for (int c = 2 * lane; c < head_dim; c += 64) {
-        float x = 0.f, y = 0.f;
-        if (!empty)
-            for (int s = 0; s < num_splits; ++s) {
-                const float l = lse_partial[s * split_stride + row_id];
-                if (l == CF_INF) continue;
-                const float w = __expf(l - row_lse);
-                const float* o_s = o_partial + (s * split_stride + row_id) * head_dim + c;
-                x += w * o_s[0];
-                y += w * o_s[1];
+    // Every lane runs every pass (the shuffles need the whole warp); lanes past head_dim idle.
+    for (int c0 = 0; c0 < head_dim; c0 += 128) {  // head_dim is a multiple of 8
+        const int c = c0 + 4 * lane;
+        const bool active = c < head_dim;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        const float* o_col = o_partial + row_id * head_dim + c;
+        // Groups of 8 splits: 8 loads in flight before the first is used. Split indices past the
+        // last are clamped (a valid address) and carry weight 0.
+#pragma unroll
+        for (int k = 0; k < kCombineSplitsPerLane; ++k) {
+            for (int j0 = 0; j0 < 32 && 32 * k + j0 < num_splits; j0 += 8) {
+                float4 o[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const i64 s = min(32 * k + j0 + j, num_splits - 1);
+                    o[j] = active ? *reinterpret_cast<const float4*>(o_col + s * split_stride * head_dim)
+                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float w = __shfl_sync(0xffffffffu, weight[k], j0 + j);
+                    acc.x += w * o[j].x, acc.y += w * o[j].y, acc.z += w * o[j].z, acc.w += w * o[j].w;
+                }
             }
-        *reinterpret_cast<u32*>(dst + c) = T::pack(x, y);
+        }
+        if (active) {
+            uint2 packed;
+            packed.x = T::pack(acc.x, acc.y);
+            packed.y = T::pack(acc.z, acc.w);
+            *reinterpret_cast<uint2*>(dst + c) = packed;
+        }
     }
 }

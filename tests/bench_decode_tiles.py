@@ -27,7 +27,7 @@ for batch, kv_len in ((64, 8192), (64, 32768), (16, 8192), (16, 65536), (1, 6553
         chosen = config.KernelConfig(config.FWD_KVCACHE, "fp16", 128, block_m, block_n, warps, stages, False,
                                      variant=True)
         kvcache.kvcache_config = lambda *args, chosen=chosen: chosen
-        kvcache._plans.clear()  # launch plans hold their tile: rebuild them for this one
+        kvcache.clear_plans()  # launch plans hold their tile: rebuild them for this one
         try:
             err = float(np.abs(cp.asnumpy(call()).astype(np.float32) - reference).max())
             ms = time_cuda_ms(call, 5, 20)
@@ -37,6 +37,6 @@ for batch, kv_len in ((64, 8192), (64, 32768), (16, 8192), (16, 65536), (1, 6553
             print(f"batch {batch} kv {kv_len} tile {tile}: {type(exc).__name__}: {exc}"[:160], flush=True)
         finally:
             kvcache.kvcache_config = default_config
-            kvcache._plans.clear()
+            kvcache.clear_plans()
     del k_cache, v_cache
     cp.get_default_memory_pool().free_all_blocks()

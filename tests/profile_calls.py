@@ -1,5 +1,6 @@
 """Host-side cost of one call (what a decoding loop pays per token): wall time per call for
-back-to-back calls with CuPy's launcher and with the packed-argument launch, and a cProfile of where
+back-to-back calls with CuPy's launcher, with the packed-argument launch and (decoding) with the
+fast path of a known call signature, and a cProfile (of the last) of where
 the Python time goes. Usage: python tests/profile_calls.py [decode|decode-torch|forward ...]"""
 
 import cProfile
@@ -11,7 +12,7 @@ import cupy as cp
 import numpy as np
 
 import cuflash2
-from cuflash2 import launch
+from cuflash2 import kvcache, launch
 from cuflash2.bench import time_cuda_ms
 
 
@@ -50,12 +51,13 @@ def wall_us(fn, n=500):
 
 
 def profile(name, fn):
-    for packed in (False, True):
-        launch.PACKED_LAUNCH = packed
+    # (label, packed launch, decoding-step fast path): CuPy's launcher, packed arguments, fast path
+    for label, packed, fast in (("cupy launcher", False, False), ("packed launch", True, False),
+                                ("fast step    ", True, True)):
+        launch.PACKED_LAUNCH, kvcache.FAST_STEPS = packed, fast
         wall = wall_us(fn)
         event = time_cuda_ms(fn) * 1e3
-        print(f"{name} {'packed' if packed else 'cupy  '} launch: wall per call {wall:.1f} us, "
-              f"CUDA-event time per call {event:.1f} us")
+        print(f"{name} {label}: wall per call {wall:.1f} us, CUDA-event time per call {event:.1f} us")
     stats = cProfile.Profile()
     stats.enable()
     for _ in range(200):

@@ -183,3 +183,120 @@ def test_decode_loop_reuses_its_plan(seqlens_kind):
         assert np.abs(cp.asnumpy(as_float32(cp, out)) - as_float32(np, ref_out)).max() < 2e-2
         assert np.abs(cp.asnumpy(lse) - ref_lse).max() < 1e-2
     assert len(kvcache._plans) - plans_before <= 1  # one signature, one plan
+
+
+FAST_CASES = {
+    # name: (batch, heads, kv_heads, cache_len, options)
+    "split": (1, 8, 2, 700, {"num_splits": 0}),
+    "nosplit-lse": (3, 4, 4, 90, {"num_splits": 1, "return_softmax_lse": True}),
+    "append-rotary-fp32": (2, 8, 2, 300, {"append": True, "rotary": True}),
+    "paged-append-lse": (2, 4, 1, 200, {"append": True, "page": 5, "return_softmax_lse": True}),
+    "alibi-window-leftpad": (2, 4, 2, 150, {"alibi": True, "window": (40, 0), "leftpad": True}),
+}
+
+
+class _Framework:
+    """asarray (from NumPy), copy, to_host (bf16 as its bits) and sync for CuPy or torch."""
+
+    def __init__(self, name):
+        if name == "torch":
+            torch = pytest.importorskip("torch")
+            self.asarray = lambda a: (torch.from_numpy(a.view(np.int16)).cuda().view(torch.bfloat16)
+                                      if a.dtype == NP["bf16"] else torch.from_numpy(a).cuda())
+            self.copy = lambda t: t.clone()
+            self.to_host = lambda t: (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).cpu().numpy()
+            self.sync = torch.cuda.synchronize
+        else:
+            import cupy as cp
+
+            self.asarray, self.copy = cp.asarray, lambda a: a.copy()
+            self.to_host = lambda a: cp.asnumpy(a.view(cp.uint16) if a.dtype == NP["bf16"] else a)
+            self.sync = cp.cuda.Device().synchronize
+
+
+def _fast_case_inputs(fw, rng, case):
+    """(k_cache, v_cache, kwargs of step i) for FAST_CASES[case], arrays of framework fw."""
+    batch, h, hk, cache_len, opts = FAST_CASES[case]
+    f, d = NP["bf16"], 128
+    entries, table, rows = batch, None, cache_len
+    if "page" in opts:
+        per_seq = -(-cache_len // opts["page"])
+        entries, rows = batch * per_seq + 2, opts["page"]
+        table = fw.asarray(rng.permutation(entries)[:batch * per_seq].reshape(batch, per_seq).astype(np.int32))
+    k_cache = fw.asarray(rng.standard_normal((entries, rows, hk, d)).astype(f))
+    v_cache = fw.asarray(rng.standard_normal((entries, rows, hk, d)).astype(f))
+    fixed = {"num_splits": opts.get("num_splits", 0), "return_softmax_lse": opts.get("return_softmax_lse", False),
+             "block_table": table, "window_size": opts.get("window", (-1, -1))}
+    if opts.get("rotary"):  # contiguous fp32 tables are used as given (no per-call conversion)
+        theta = rng.uniform(0, 2 * np.pi, (cache_len + 8, 32))
+        fixed.update(rotary_cos=fw.asarray(np.cos(theta).astype(np.float32)),
+                     rotary_sin=fw.asarray(np.sin(theta).astype(np.float32)))
+    if opts.get("alibi"):
+        fixed["alibi_slopes"] = fw.asarray(rng.uniform(0.01, 0.3, h).astype(np.float32))
+    if opts.get("leftpad"):
+        fixed["cache_leftpad"] = fw.asarray(np.array([3, 0] * batch, np.int32)[:batch])
+
+    def step_kwargs(step):
+        kwargs = dict(fixed, q=fw.asarray(rng.standard_normal((batch, 1, h, d)).astype(f)))
+        kwargs["cache_seqlens"] = fw.asarray(np.array([cache_len - 10 - step - 3 * b for b in range(batch)], np.int32))
+        if opts.get("append"):
+            kwargs["k"] = fw.asarray(rng.standard_normal((batch, 1, hk, d)).astype(f))
+            kwargs["v"] = fw.asarray(rng.standard_normal((batch, 1, hk, d)).astype(f))
+        return kwargs
+    return k_cache, v_cache, step_kwargs
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("case", list(FAST_CASES))
+def test_decode_steps_take_the_fast_path(case, framework):
+    """A decoding loop after its first step runs through kvcache_step (no validation or planning):
+    outputs, LSEs and cache contents bit-identical to the full path on copies of the same cache."""
+    from cuflash2 import kvcache, kvcache_step
+
+    fw = _Framework(framework)
+    rng = np.random.default_rng(stable_seed(case, framework))
+    k_cache, v_cache, step_kwargs = _fast_case_inputs(fw, rng, case)
+    k_full, v_full = fw.copy(k_cache), fw.copy(v_cache)
+    kvcache.clear_plans()
+    steps = 5
+    try:
+        for step in range(steps):
+            kwargs = step_kwargs(step)
+            q = kwargs.pop("q")
+            fast = cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+            kvcache.FAST_STEPS = False
+            full = cuflash2.flash_attn_with_kvcache(q, k_full, v_full, **kwargs)
+            kvcache.FAST_STEPS = True
+            fw.sync()
+            fast, full = (fast, full) if isinstance(fast, tuple) else ((fast,), (full,))
+            assert type(fast[0]) is type(q)
+            for a, b in zip(fast, full):
+                np.testing.assert_array_equal(fw.to_host(a), fw.to_host(b))
+            np.testing.assert_array_equal(fw.to_host(k_cache), fw.to_host(k_full))
+            np.testing.assert_array_equal(fw.to_host(v_cache), fw.to_host(v_full))
+    finally:
+        kvcache.FAST_STEPS = True
+    (step_obj,) = kvcache_step._steps.values()
+    assert step_obj.calls == steps - 1  # every step after the first
+
+
+def test_fast_path_leaves_bad_calls_to_the_full_path():
+    """A misaligned view with a known signature still gets the full path's ValueError; a Python-int
+    cache_seqlens never takes the fast path."""
+    import cupy as cp
+
+    from cuflash2 import kvcache, kvcache_step
+
+    kvcache.clear_plans()
+    q = cp.zeros((1, 1, 4, 64), dtype=cp.float16)
+    k_cache = cp.zeros((1, 64, 2, 64), dtype=cp.float16)
+    seqlens = cp.full((1,), 10, dtype=cp.int32)
+    cuflash2.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=seqlens)
+    assert len(kvcache_step._steps) == 1
+    buffer = cp.zeros(4 * 64 + 4, dtype=cp.float16)
+    shifted = buffer[4:].reshape(1, 1, 4, 64)  # same shape and strides, 8-byte aligned
+    with pytest.raises(ValueError, match="q: expected a data pointer aligned"):
+        cuflash2.flash_attn_with_kvcache(shifted, k_cache, k_cache, cache_seqlens=seqlens)
+    kvcache.clear_plans()
+    cuflash2.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=10)
+    assert not kvcache_step._steps

@@ -1,0 +1,244 @@
+"""The decoding step's fast path: a flash_attn_with_kvcache call whose signature was seen before.
+
+A decoding loop makes the same call every token: the same shapes, strides, dtypes and options, with
+new buffer addresses. The first such call goes through the full path (describe, validate, plan);
+when that call used the caller's buffers as they are (no copy on the way), a `Step` is kept under a
+key made of the raw attributes of the arguments. Later calls with that key skip the full path: they
+read the buffer addresses, allocate the outputs and one scratch buffer, fill the addresses into the
+plan's packed argument lists and launch. That is a few dozen Python operations instead of a few
+hundred, which is what bounds one-token decoding at small batch (README, Performance).
+
+Only CuPy arrays and torch tensors take it, every array argument of the same kind as q, on the
+current device. Anything else (Python-int cache_seqlens, rotary tables that are not contiguous
+float32, an input that needed a copy, a misaligned address) takes the full path, which also raises
+the errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import packed_launch
+from .compiler import get_kernel
+
+# The array arguments of flash_attn_with_kvcache in the order of kvcache._BUFFERS' first entries;
+# the per-call pointer list continues with the outputs and scratch regions (OUTPUT_BUFFERS).
+INPUT_BUFFERS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
+                 "block_table", "alibi_slopes", "rotary_cos", "rotary_sin")
+OUTPUT_BUFFERS = ("out", "lse", "q_rot", "o_partial", "lse_partial")
+_SCRATCH_ALIGN = 256
+_MAX_STEPS = 256
+
+
+def scratch_layout(regions: dict[str, int]) -> tuple[dict[str, int], int]:
+    """({name: byte offset}, total bytes) for scratch regions of the given sizes, each starting at a
+    multiple of 256 bytes (the kernels read partial outputs with 16-byte loads). Empty regions
+    are left out. Pure."""
+    offsets, total = {}, 0
+    for name, nbytes in regions.items():
+        if nbytes > 0:
+            offsets[name] = total
+            total += math.ceil(nbytes / _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    return offsets, total
+
+
+class _Cupy:
+    """Per-framework operations of a step, CuPy flavour."""
+
+    def __init__(self):
+        import cupy
+
+        self.cp = cupy
+        self.array_type = cupy.ndarray
+        self.current_device = cupy.cuda.runtime.getDevice
+        self.float32 = np.dtype(np.float32)
+
+    @staticmethod
+    def signature(x):
+        return x.shape, x.strides, x.dtype, x.data.device_id
+
+    @staticmethod
+    def pointer(x) -> int:
+        return x.data.ptr
+
+    @staticmethod
+    def strides_in_elements(x) -> tuple:
+        return tuple(s // x.itemsize for s in x.strides)
+
+    def stream(self, device_id: int) -> int:
+        return self.cp.cuda.get_current_stream().ptr
+
+    def empty(self, shape, dtype, device_id: int):
+        return self.cp.empty(shape, dtype=dtype)
+
+    def scratch(self, nbytes: int, device_id: int):
+        return self.cp.empty(nbytes, dtype=np.uint8)
+
+
+class _Torch:
+    """Per-framework operations of a step, torch flavour (torch's allocator, torch's stream)."""
+
+    def __init__(self):
+        import cupy
+        import torch
+
+        self.torch = torch
+        self.array_type = torch.Tensor
+        self.current_device = cupy.cuda.runtime.getDevice  # the CUDA runtime's, shared with torch
+        self.float32 = torch.float32
+        # The current stream as a raw handle without building a Stream object (what compiled torch
+        # code uses); the public call is the fallback.
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw if raw is not None else lambda index: torch.cuda.current_stream(index).cuda_stream
+
+    @staticmethod
+    def signature(x):
+        return x.shape, x.stride(), x.dtype, x.device
+
+    @staticmethod
+    def pointer(x) -> int:
+        return x.data_ptr()
+
+    @staticmethod
+    def strides_in_elements(x) -> tuple:
+        return tuple(x.stride())
+
+    def stream(self, device_id: int) -> int:
+        return self._raw_stream(device_id)
+
+    def empty(self, shape, dtype, device_id: int):
+        return self.torch.empty(shape, dtype=dtype, device=self.torch.device("cuda", device_id))
+
+    def scratch(self, nbytes: int, device_id: int):
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.torch.device("cuda", device_id))
+
+
+_frameworks: dict[str, object] = {}
+
+
+def _framework(name: str):
+    ops = _frameworks.get(name)
+    if ops is None:
+        ops = _frameworks[name] = _Cupy() if name == "cupy" else _Torch()
+    return ops
+
+
+def _kind_of(q) -> str | None:
+    root = type(q).__module__.split(".", 1)[0]
+    return root if root in ("cupy", "torch") else None
+
+
+_steps: dict = {}
+
+
+def call_key(q, arrays: tuple, options: tuple):
+    """The fast-path key of a call (None when the call cannot take the fast path): the framework,
+    each array argument's shape, strides, dtype and device, and the options."""
+    kind = _kind_of(q)
+    if kind is None:
+        return None
+    ops = _framework(kind)
+    array_type, signature = ops.array_type, ops.signature
+    sig = []
+    for x in arrays:
+        if x is None:
+            sig.append(None)
+        elif type(x) is array_type or isinstance(x, array_type):
+            sig.append(signature(x))
+        else:  # a Python int, a NumPy array, another framework's tensor: the full path
+            return None
+    return kind, tuple(sig), options
+
+
+def lookup(key):
+    if key is None:
+        return None
+    try:
+        return _steps.get(key)
+    except TypeError:  # an unhashable option (a list for window_size, say): the full path
+        return None
+
+
+class Step:
+    """One call signature's launches with the buffer addresses left open."""
+
+    def __init__(self, kind: str, device_id: int, out_shape: tuple, out_dtype, lse_shape: tuple,
+                 return_lse: bool, regions: dict[str, int], launches: list):
+        self.ops = _framework(kind)
+        self.device_id = device_id
+        self.out_shape, self.out_dtype, self.lse_shape, self.return_lse = out_shape, out_dtype, lse_shape, return_lse
+        self.offsets, self.scratch_bytes = scratch_layout(regions)
+        self.launches = launches  # (function, grid, threads, smem, packer, argument template, pointer slots)
+        self.calls = 0  # steps run (tests check that a loop takes the fast path)
+
+    def __call__(self, arrays: tuple):
+        """Run the step; None when the full path must take the call (it raises the right error)."""
+        ops = self.ops
+        if ops.current_device() != self.device_id:
+            return None
+        pointer = ops.pointer
+        pointers = [0 if x is None else pointer(x) for x in arrays]
+        if (pointers[0] | pointers[1] | pointers[2]) % 16:  # q, k_cache, v_cache: 16-byte copies
+            return None
+        device_id, offsets = self.device_id, self.offsets
+        out = ops.empty(self.out_shape, self.out_dtype, device_id)
+        lse = ops.empty(self.lse_shape, ops.float32, device_id) if self.return_lse else None
+        scratch = ops.scratch(self.scratch_bytes, device_id) if self.scratch_bytes else None
+        base = pointer(scratch) if scratch is not None else 0
+        pointers += [pointer(out), pointer(lse) if lse is not None else base + offsets["lse"],
+                     base + offsets.get("q_rot", 0), base + offsets.get("o_partial", 0),
+                     base + offsets.get("lse_partial", 0)]
+        stream = ops.stream(device_id)
+        for function, grid, threads, smem, packer, template, slots in self.launches:
+            args = template.copy()
+            for index, source in slots:
+                args[index] = pointers[source]
+            packed_launch.launch_packed(function, grid, threads, smem, stream, packer, args)
+        del scratch  # stream-ordered: reused only by work queued after this point
+        self.calls += 1
+        return (out, lse) if self.return_lse else out
+
+
+def register(key, plan, infos: dict, arrays: tuple, device_id: int, q, return_lse: bool) -> None:
+    """Keep a Step for this call signature, if the full path used the caller's buffers as given."""
+    if key is None or not plan.launches:
+        return
+    try:
+        hash(key)
+    except TypeError:  # an unhashable option value
+        return
+    ops = _framework(key[0])
+    for name, x in zip(INPUT_BUFFERS, arrays):
+        info = infos[name]
+        if (x is None) != (info is None):
+            return
+        if x is not None and (ops.pointer(x) != info.data_ptr or ops.strides_in_elements(x) != tuple(info.strides)):
+            return  # copied or converted on the way (a last stride, fp16 rotary tables, ...)
+    cache = plan.cache
+    rows = cache.batch * cache.nheads * cache.seqlen_q
+    regions = {"o_partial": plan.partial_rows * cache.head_dim * 4, "lse_partial": plan.partial_rows * 4,
+               "lse": 0 if return_lse else rows * 4,
+               "q_rot": math.prod(infos["q"].shape) * infos["q"].itemsize if plan.rotate_q else 0}
+    sources = {name: i for i, name in enumerate(INPUT_BUFFERS + OUTPUT_BUFFERS)}
+    launches = []
+    for step in plan.launches:
+        kernel = get_kernel(step.config, device_id)  # loaded by the full path already; kept alive there
+        grid = tuple(step.grid) + (1,) * (3 - len(step.grid))
+        packer = packed_launch.slot_format(tuple(map(type, step.args)))
+        template = [a.item() for a in step.args]  # Python scalars pack faster; the packer keeps the types
+        slots = tuple((index, sources[name]) for index, name in step.pointer_slots)
+        launches.append((kernel.kernel.ptr, grid, step.config.threads, step.config.smem_bytes, packer, template,
+                         slots))
+    if len(_steps) >= _MAX_STEPS:
+        _steps.clear()
+    _steps[key] = Step(key[0], device_id, tuple(q.shape), q.dtype, (cache.batch, cache.nheads, cache.seqlen_q),
+                       return_lse, regions, launches)
+
+
+def clear() -> None:
+    _steps.clear()
+
+
+__all__ = ["Step", "call_key", "clear", "lookup", "register", "scratch_layout"]
