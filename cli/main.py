@@ -79,7 +79,7 @@ def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ..
                 for variant in (False, True):
                     if "fwd" in kinds:
                         unique[cfg.forward_config(dim, dtype, causal, arch, variant)] = None
-                        for rows in (64, cfg.KVCACHE_SHORT_ROWS):
+                        for rows in (64, cfg.KVCACHE_SHORT_ROWS, cfg.DECODE_ROWS):
                             unique[cfg.kvcache_config(dim, dtype, causal, arch, rows)] = None
                         unique.update(dict.fromkeys(cfg.kvcache_helper_configs(dtype)))
                 if "bwd" in kinds:

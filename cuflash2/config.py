@@ -31,10 +31,12 @@ SMEM_LIMIT_BYTES = {
 FWD, BWD, BWD_DQ, BWD_DOT, BWD_CONVERT = ("flash_fwd_kernel", "flash_bwd_kernel", "flash_bwd_dq_kernel",
                                           "flash_bwd_dot_do_o_kernel", "flash_bwd_convert_kernel")
 FWD_KVCACHE, ROTARY_COPY, FWD_COMBINE = "flash_fwd_kvcache_kernel", "rotary_copy_kernel", "flash_fwd_combine_kernel"
+FWD_DECODE = "flash_fwd_decode_kernel"
 BWD_FUSED = "flash_bwd_fused_kernel"
 SOURCE_FILE = {FWD: "flash_fwd.cu", BWD: "flash_bwd.cu", BWD_DQ: "flash_bwd_dq.cu",
                BWD_DOT: "flash_bwd_prepost.cu", BWD_CONVERT: "flash_bwd_prepost.cu", FWD_KVCACHE: "flash_fwd.cu",
-               ROTARY_COPY: "kvcache.cu", FWD_COMBINE: "kvcache.cu", BWD_FUSED: "flash_bwd_fused.cu"}
+               ROTARY_COPY: "kvcache.cu", FWD_COMBINE: "kvcache.cu", BWD_FUSED: "flash_bwd_fused.cu",
+               FWD_DECODE: "flash_fwd.cu"}
 _CPP_TYPE = {"bf16": "Bf16", "fp16": "Fp16"}
 
 
@@ -68,6 +70,9 @@ class KernelConfig:
         d, m, n = self.head_dim, self.block_m, self.block_n
         if self.kernel in (FWD, FWD_KVCACHE):
             return m * d * 2 + self.stages * n * d * 2 + self.forward_row_sums_bytes
+        if self.kernel == FWD_DECODE:  # Q; the K/V ring, reused by the merge of the warps (DecodeTraits)
+            merge = self.warps * m * (d + 4 + 2) * 4
+            return m * d * 2 + max(self.stages * n * d * 2, merge)
         if self.kernel == BWD:
             with_dq = self.flags[2]
             dq_bytes = n * m * 2 + 2 * m * d * 4 if with_dq else 0  # dS^T tile, 2 fp32 dQ staging buffers
@@ -105,13 +110,13 @@ class KernelConfig:
         args = {FWD: cpp(t, d, m, n, w, s, c, var), BWD: cpp(t, d, m, n, w, s, c, var, *self.flags),
                 BWD_DQ: cpp(t, d, m, n, w, c, var), BWD_DOT: cpp(t, d), BWD_CONVERT: cpp(t),
                 FWD_KVCACHE: cpp(t, d, m, n, w, s, c), ROTARY_COPY: cpp(t), FWD_COMBINE: cpp(t),
-                BWD_FUSED: cpp(t, d, m, n, w, c, *self.flags)}[self.kernel]
+                BWD_FUSED: cpp(t, d, m, n, w, c, *self.flags), FWD_DECODE: cpp(t, d, n, w, s, c)}[self.kernel]
         return f"{self.kernel}<{args}>"
 
     def short_id(self) -> str:
         name = {FWD: "fwd", BWD: "bwd", BWD_DQ: "bwd-dq", BWD_DOT: "bwd-dot", BWD_CONVERT: "bwd-convert",
                 FWD_KVCACHE: "fwd-kvcache", ROTARY_COPY: "rotary-copy", FWD_COMBINE: "fwd-combine",
-                BWD_FUSED: "bwd-fused"}[self.kernel]
+                BWD_FUSED: "bwd-fused", FWD_DECODE: "fwd-decode"}[self.kernel]
         parts = [name, self.dtype]
         if self.head_dim:
             parts.append(f"d{self.head_dim}")
@@ -257,6 +262,12 @@ _KVCACHE_TILES = {32: (64, 128, 4, 3), 64: (64, 128, 4, 3), 96: (64, 64, 4, 3), 
 _KVCACHE_SHORT_TILES = {128: (32, 128, 2, 3)}
 KVCACHE_SHORT_ROWS = 32
 
+# Up to 16 query rows (one-token decoding with GQA groups up to 16, or short chunks) go to the
+# decoding kernel, whose warps split each K/V tile's keys instead of the rows (flash_fwd.cu,
+# flash_fwd_decode_kernel): (block_n, warps, stages), 16 rows each.
+_DECODE_TILES = {64: (128, 4, 3), 128: (128, 4, 3), 256: (64, 4, 3)}
+DECODE_ROWS = 16
+
 
 @functools.lru_cache(maxsize=4096)
 def kvcache_config(head_dim: int, dtype: str, causal: bool, arch: int, query_rows: int = 64) -> KernelConfig:
@@ -264,6 +275,16 @@ def kvcache_config(head_dim: int, dtype: str, causal: bool, arch: int, query_row
     query_rows: rows of q per (sequence, kv head) block as the kernel sees them."""
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
+    if query_rows <= DECODE_ROWS and bucket in _DECODE_TILES:
+        block_n, warps, stages = _DECODE_TILES[bucket]
+        config = KernelConfig(FWD_DECODE, dtype, bucket, DECODE_ROWS, block_n, warps, stages, bool(causal), variant=True)
+        while config.smem_bytes > smem_limit(arch):  # 99 KB parts: fewer stages, then smaller key blocks
+            if config.stages > 2:
+                config = dataclasses.replace(config, stages=config.stages - 1)
+            else:
+                assert config.block_n // warps > 16, f"{config.short_id()} needs {config.smem_bytes} B"
+                config = dataclasses.replace(config, block_n=config.block_n // 2)
+        return config
     short = _KVCACHE_SHORT_TILES.get(bucket) if query_rows <= KVCACHE_SHORT_ROWS else None
     block_m, block_n, warps, stages = short or _KVCACHE_TILES[bucket]
     if bucket == 128 and not _large_smem(arch):
@@ -280,9 +301,11 @@ def kvcache_helper_configs(dtype: str) -> tuple[KernelConfig, KernelConfig]:
 
 
 def all_kvcache_configs(arch: int) -> list[KernelConfig]:
+    rows_of = {bucket: (64,) + ((KVCACHE_SHORT_ROWS,) if bucket in _KVCACHE_SHORT_TILES else ()) +
+               ((DECODE_ROWS,) if bucket in _DECODE_TILES else ()) for bucket in HEAD_DIM_BUCKETS}
     configs = [kvcache_config(bucket, dtype, causal, arch, rows)
                for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)
-               for rows in dict.fromkeys((64, KVCACHE_SHORT_ROWS) if bucket in _KVCACHE_SHORT_TILES else (64,))]
+               for rows in rows_of[bucket]]
     return configs + [c for dtype in DTYPES for c in kvcache_helper_configs(dtype)]
 
 

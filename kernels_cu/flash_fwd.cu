@@ -355,3 +355,209 @@ flash_fwd_kvcache_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS, CF_KVCACHE_PARAMS) {
     flash_fwd_body<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kCausal, true, true>(
         CF_FWD_ARGS, CF_VARIANT_ARGS, CF_KVCACHE_ARGS);  // dropout is a training feature: not used here
 }
+
+// ---- One-token decoding: warps split the keys ----------------------------------------------------
+// flash_attn_with_kvcache with at most 16 query rows per (sequence, kv head): one-token decoding,
+// where a GQA group's query heads are the rows (kvcache.py, _decode_swap), or a short chunk.
+// Row-split warps (flash_fwd_body) would give all but one warp padding rows only, and one warp per
+// scheduler cannot hide its own latencies. Here every warp takes the same 16 rows against its own
+// kBlockN / kNWarps keys of each K/V tile, with its own online softmax, so the block's work per
+// tile is spread over all its warps; at the end the warps' results are merged through shared
+// memory, weighted by their row maxima and sums (what the split-KV combine does across blocks).
+template <class T, int kHeadDim, int kBlockN, int kNWarps, int kStages_>
+struct DecodeTraits {
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kStages = kStages_;
+    static constexpr int kBlockM = 16;
+    static constexpr int kMTiles = 1;
+    static constexpr int kWarpKeys = kBlockN / kNWarps;  // keys of each tile one warp takes
+    static constexpr int kNTiles = kWarpKeys / 8;
+    static constexpr int kDTiles = kHeadDim / 8;
+    using QTile = SwizzledTile<kBlockM, kHeadDim>;
+    using KVTile = SwizzledTile<kBlockN, kHeadDim>;
+    // The merge, after the key loop, reuses the K/V ring: per warp 16 rows of fp32 output (rows
+    // padded by 4 floats so that the quads' stores fall in different banks), row maxima and sums.
+    static constexpr int kMergePitch = kHeadDim + 4;
+    static constexpr int kMergeBytes = kNWarps * kBlockM * (kMergePitch + 2) * 4;
+    static constexpr int kSmemBytes = QTile::kBytes + cmax(kStages * KVTile::kBytes, kMergeBytes);
+    static_assert(kWarpKeys % 16 == 0, "each warp takes whole 16-key MMA steps");
+    static_assert(kStages >= 2, "the K/V ring needs at least two slots");
+};
+
+// Merged output of the warps for the rows and 8-column chunks this thread takes: normalised fp32
+// partials and LSEs for split-KV, else the output and LSE.
+template <class T, class Tr>
+CF_DEVICE void merge_warps(const float* merge_o, const float* merge_max, const float* merge_sum, int tid,
+                           int rows_left, int head_dim, u16* o_blk, i64 o_row_stride, float* lse_blk,
+                           float* o_partial_rows, float* lse_partial_rows) {
+    constexpr int kChunks = Tr::kDTiles;  // 8-column chunks per row
+    constexpr float kLn2 = 0.6931471805599453f;
+    for (int idx = tid; idx < Tr::kBlockM * kChunks; idx += Tr::kThreads) {
+        const int row = idx / kChunks, col = (idx % kChunks) * 8;
+        if (row >= rows_left || col >= head_dim) continue;
+        float row_max = -CF_INF;
+#pragma unroll
+        for (int w = 0; w < Tr::kThreads / 32; ++w) row_max = fmaxf(row_max, merge_max[w * Tr::kBlockM + row]);
+        float weight[Tr::kThreads / 32], total = 0.f;
+#pragma unroll
+        for (int w = 0; w < Tr::kThreads / 32; ++w) {  // a warp that saw no key of the row weighs 0
+            const float m = merge_max[w * Tr::kBlockM + row];
+            weight[w] = m == -CF_INF ? 0.f : fast_exp2(m - row_max);
+            total += weight[w] * merge_sum[w * Tr::kBlockM + row];
+        }
+        const bool empty = total == 0.f;
+        const float inv_total = empty ? 0.f : 1.f / total;
+        float o[8] = {};
+#pragma unroll
+        for (int w = 0; w < Tr::kThreads / 32; ++w) {
+            const float* src = merge_o + (w * Tr::kBlockM + row) * Tr::kMergePitch + col;
+            const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
+            const float wt = weight[w] * inv_total;
+            o[0] += wt * lo.x, o[1] += wt * lo.y, o[2] += wt * lo.z, o[3] += wt * lo.w;
+            o[4] += wt * hi.x, o[5] += wt * hi.y, o[6] += wt * hi.z, o[7] += wt * hi.w;
+        }
+        const float row_lse = empty ? CF_INF : (row_max + fast_log2(total)) * kLn2;
+        if (o_partial_rows != nullptr) {
+            float* dst = o_partial_rows + (i64)row * head_dim + col;
+            *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
+            *reinterpret_cast<float4*>(dst + 4) = make_float4(o[4], o[5], o[6], o[7]);
+            if (col == 0) lse_partial_rows[row] = row_lse;
+        } else {
+            uint4 packed;
+            packed.x = T::pack(o[0], o[1]), packed.y = T::pack(o[2], o[3]);
+            packed.z = T::pack(o[4], o[5]), packed.w = T::pack(o[6], o[7]);
+            *reinterpret_cast<uint4*>(o_blk + row * o_row_stride + col) = packed;
+            if (col == 0) lse_blk[row] = row_lse;
+        }
+    }
+}
+
+// Grid: (query blocks x splits, heads, batch), as flash_fwd_kvcache_kernel, with 16-row query blocks.
+template <class T, int kHeadDim, int kBlockN, int kNWarps, int kStages, bool kCausal>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_fwd_decode_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS, CF_KVCACHE_PARAMS) {
+    using Tr = DecodeTraits<T, kHeadDim, kBlockN, kNWarps, kStages>;
+    extern __shared__ __align__(128) char smem[];
+    const VariantArgs va = CF_VARIANT_ARGS;
+    const KvCacheArgs kc = CF_KVCACHE_ARGS;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const FwdBlock blk = locate_block<Tr::kBlockM, kCausal, true, true>(blockIdx.x, blockIdx.y, blockIdx.z, seqlen_q,
+                                                                        seqlen_k, va, kc);
+    const int m_block = blk.m_block, split = blk.split, head = blk.head, batch = blk.batch, kv_head = head / kv_group;
+    const SeqRange& seq = blk.seq;
+    const auto mask = make_mask<kCausal, true>(seq, va);
+    const ScoreMod mod = ScoreMod::make(va, softmax_scale, batch, head, seq.seqlen_k - seq.seqlen_q);
+    // seqlen_k is 0 when the cache index is out of range, so kv_batch is then never dereferenced.
+    const int kv_batch = kc.cache_batch_idx != nullptr ? kc.cache_batch_idx[batch] : batch;
+    const bool paged = kc.block_table != nullptr;
+    const u16* q_blk = q + batch * q_batch_stride + head * q_head_stride +
+                       ((i64)seq.q_start + m_block * Tr::kBlockM) * q_row_stride;
+    const u16* k_head = k + (paged ? 0 : kv_batch * k_batch_stride) + kv_head * k_head_stride +
+                        (paged ? 0 : (i64)seq.k_start * k_row_stride);
+    const u16* v_head = v + (paged ? 0 : kv_batch * v_batch_stride) + kv_head * v_head_stride +
+                        (paged ? 0 : (i64)seq.k_start * v_row_stride);
+    const int rows_left = seq.seqlen_q - m_block * Tr::kBlockM;
+    const u32 q_smem = smem_addr(smem);
+    const u32 kv_smem = q_smem + Tr::QTile::kBytes;
+    int n_begin = mask.key_block_begin(m_block, Tr::kBlockM, kBlockN);
+    int n_end = mask.key_block_end(m_block, Tr::kBlockM, kBlockN);
+    if (kc.num_splits > 1) {
+        const int per_split = (n_end - n_begin + kc.num_splits - 1) / kc.num_splits;
+        n_begin += split * per_split;
+        n_end = min(n_end, n_begin + per_split);
+    }
+    const int n_blocks = n_end - n_begin;
+
+    float acc_o[1][Tr::kDTiles][4];
+    zero_acc(acc_o);
+    OnlineSoftmax<1, Tr::kNTiles> softmax;
+    softmax.init();
+
+    // Tile t of the K/V stream: K of key block n_end-1-t/2 when t is even, V of it when odd.
+    const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> k_loader(tid, k_row_stride);
+    const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> v_loader(tid, v_row_stride);
+    const PagedTileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> paged_loader(tid);
+    const int* pages = paged ? kc.block_table + batch * kc.block_table_stride : nullptr;
+    auto load_kv_tile = [&](int t) {
+        if (t < 2 * n_blocks) {
+            const int n_block = n_end - 1 - t / 2;
+            const u32 slot = kv_smem + (t % kStages) * Tr::KVTile::kBytes;
+            const int keys_left = seq.seqlen_k - n_block * kBlockN;
+            const bool is_k = t % 2 == 0;
+            if (paged)
+                paged_loader.load(slot, is_k ? k_head : v_head, is_k ? k_batch_stride : v_batch_stride,
+                                  is_k ? k_row_stride : v_row_stride, pages, kc.page_size, kc.cache_entries,
+                                  seq.k_start + n_block * kBlockN, keys_left, head_dim);
+            else if (is_k)
+                k_loader.load(slot, k_head + (i64)n_block * kBlockN * k_row_stride, keys_left, head_dim);
+            else
+                v_loader.load(slot, v_head + (i64)n_block * kBlockN * v_row_stride, keys_left, head_dim);
+        }
+        cp_async_commit();
+    };
+
+    if (n_blocks > 0) {
+        TileLoader<typename Tr::QTile, Tr::kBlockM, kHeadDim, Tr::kThreads>(tid, q_row_stride)
+            .load(q_smem, q_blk, rows_left, head_dim);
+#pragma unroll
+        for (int t = 0; t < kStages - 1; ++t) load_kv_tile(t);  // Q rides in the first group
+        const int key0 = warp * Tr::kWarpKeys;  // this warp's keys within every tile
+        const LdsmCursor<typename Tr::QTile> q_cur(q_smem, lane % 16, lane / 16);
+        for (int it = 0; it < n_blocks; ++it) {  // S = Q K^T, mask, online softmax, O += P V
+            const int n_block = n_end - 1 - it, t = 2 * it;
+            const LdsmCursor<typename Tr::KVTile> k_cur(kv_smem + (t % kStages) * Tr::KVTile::kBytes,
+                                                       key0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+            cp_async_wait<kStages - 2>();
+            __syncthreads();  // K_n landed for all threads; the slot refilled next is no longer read
+            load_kv_tile(t + kStages - 1);
+            float s[1][Tr::kNTiles][4];
+            zero_acc(s);
+            gemm_abt<T, 1, Tr::kNTiles, kHeadDim / 16>(s, q_cur, k_cur);
+
+            cp_async_wait<kStages - 2>();
+            __syncthreads();  // V_n landed
+            load_kv_tile(t + kStages);
+            const int row0 = m_block * Tr::kBlockM, col0 = n_block * kBlockN + key0;
+            if (mod.active) apply_score_mod<Tr>(s, mod, row0, col0, lane);
+            if (mask.block_needs_mask(m_block, n_block, Tr::kBlockM, kBlockN)) apply_mask<Tr>(s, mask, row0, col0, lane);
+            softmax.update(s, acc_o, scale_log2);
+            const LdsmCursor<typename Tr::KVTile> v_cur(kv_smem + ((t + 1) % kStages) * Tr::KVTile::kBytes,
+                                                       key0 + lane % 16, lane / 16);
+            gemm_rs<T, 1, Tr::kNTiles, Tr::kDTiles>(acc_o, s, v_cur);
+        }
+    }
+
+    // Merge the warps: each wrote its rows' unnormalised output, scaled max and sum to the ring.
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the K/V ring
+    float* merge_o = reinterpret_cast<float*>(smem + Tr::QTile::kBytes);
+    float* merge_max = merge_o + Tr::kThreads / 32 * Tr::kBlockM * Tr::kMergePitch;
+    float* merge_sum = merge_max + Tr::kThreads / 32 * Tr::kBlockM;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = lane / 4 + 8 * r;
+        float sum = softmax.row_sum[0][r];
+        sum += shfl_xor(sum, 1);
+        sum += shfl_xor(sum, 2);
+        if (lane % 4 == 0) {
+            const float m = softmax.row_max[0][r];
+            merge_max[warp * Tr::kBlockM + row] = m == -CF_INF ? -CF_INF : m * scale_log2;
+            merge_sum[warp * Tr::kBlockM + row] = sum;
+        }
+        float* dst = merge_o + (warp * Tr::kBlockM + row) * Tr::kMergePitch + (lane % 4) * 2;
+#pragma unroll
+        for (int dt = 0; dt < Tr::kDTiles; ++dt)
+            *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(acc_o[0][dt][2 * r], acc_o[0][dt][2 * r + 1]);
+    }
+    __syncthreads();
+    u16* o_blk = o + batch * o_batch_stride + head * o_head_stride + ((i64)seq.q_start + m_block * Tr::kBlockM) * o_row_stride;
+    float* lse_blk = lse + seq.lse_offset(head) + m_block * Tr::kBlockM;
+    float *o_partial_rows = nullptr, *lse_partial_rows = nullptr;
+    if (kc.num_splits > 1) {  // (split, batch, head, row) rows, as store_partial
+        const i64 rows = (((i64)split * gridDim.z + batch) * gridDim.y + head) * seqlen_q + m_block * Tr::kBlockM;
+        o_partial_rows = kc.o_partial + rows * head_dim;
+        lse_partial_rows = kc.lse_partial + rows;
+    }
+    merge_warps<T, Tr>(merge_o, merge_max, merge_sum, tid, rows_left, head_dim, o_blk, o_row_stride, lse_blk,
+                       o_partial_rows, lse_partial_rows);
+}

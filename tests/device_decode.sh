@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call for a decoding change: host cost per call (profile_calls), the split sweep,
 # the decode benchmark against torch's backends, ncu of the decode and combine kernels, the KV-cache
-# GPU tests. Logs under $OUT. NCU_CASES="batch kv_len ..." pairs; SKIP_TESTS=1 skips the tests.
+# GPU tests. Logs under $OUT. NCU_CASES="batch kv_len ..." pairs; SKIP_TESTS=1 skips the tests;
+# TILES=1 adds the tile sweep (bench_decode_tiles.py).
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -16,6 +17,10 @@ python tests/bench_decode_splits.py > "$OUT/splits.log" 2>&1
 cat "$OUT/splits.log"
 python -m cuflash2 bench --decode --compare torch-flash,torch-cudnn > "$OUT/decode.log" 2>&1
 tail -42 "$OUT/decode.log"
+if [[ -n "${TILES:-}" ]]; then
+    python tests/bench_decode_tiles.py > "$OUT/tiles.log" 2>&1
+    cat "$OUT/tiles.log"
+fi
 set -- ${NCU_CASES:-1 65536 1 2048}
 while [[ $# -ge 2 ]]; do
     timeout 120 ncu --clock-control none --kernel-name regex:"kvcache|combine" --launch-skip 4 --launch-count 2 \

@@ -80,6 +80,25 @@ def test_forward_shared_memory_matches_the_kernel_traits():
     assert not _compiles_with_asserts("flash_fwd.cu", [wrong])[0]
 
 
+def test_decode_shared_memory_matches_the_kernel_traits():
+    """The same contract for the decoding kernel (DecodeTraits::kSmemBytes: Q, then the K/V ring or
+    the merge buffers of the warps, whichever is larger), over every decoding tile of every arch."""
+    pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
+    tiles = {}
+    for arch in COMPILE_ARCHS:
+        for c in cfg.all_kvcache_configs(arch):
+            if c.kernel == cfg.FWD_DECODE:
+                traits = f"DecodeTraits<Bf16, {c.head_dim}, {c.block_n}, {c.warps}, {c.stages}>"
+                tiles[traits] = (c.smem_bytes, c.short_id())
+    asserts = [f'static_assert({t}::kSmemBytes == {smem}, "{name}");' for t, (smem, name) in tiles.items()]
+    ok, log = _compiles_with_asserts("flash_fwd.cu", asserts)
+    assert ok, f"host and kernel disagree on decoding shared memory:\n{log[:2000]}"
+    assert len(tiles) >= 3
+    some_tile = next(iter(tiles))
+    wrong = f'static_assert({some_tile}::kSmemBytes == {tiles[some_tile][0] + 16}, "off by 16");'
+    assert not _compiles_with_asserts("flash_fwd.cu", [wrong])[0]
+
+
 def test_fused_backward_shared_memory_matches_the_kernel_traits():
     """The same contract for the fused backward (FusedBwdTraits::kSmemBytes: dQ staged in buffers of
     its own up to head dim 128, over a consumed Q/dO stage above; kDqPadBytes: the padding of the

@@ -371,16 +371,26 @@ def test_fused_backward_above_128_uses_64_key_blocks_and_stages_dq_over_q(head_d
 
 
 def test_kvcache_tile_for_decoding_rows():
-    """One-token GQA decoding (a group of query heads as rows) gets the 32-row tile at head dim 128;
-    longer queries and other head dims keep the 64-row tile; small-smem parts halve the key block."""
+    """Up to 16 query rows (one-token GQA decoding: a group of query heads as rows) get the
+    key-splitting decoding kernel at head dims 64/128/256; 17-32 rows the 32-row tile at head dim
+    128; longer queries and other head dims the 64-row tile; 99 KB parts shrink the decoding ring."""
     decode = config.kvcache_config(128, "bf16", False, 90, query_rows=4)
-    assert (decode.block_m, decode.block_n, decode.warps, decode.stages) == (32, 128, 2, 3)
+    assert decode.kernel == config.FWD_DECODE
+    assert (decode.block_m, decode.block_n, decode.warps, decode.stages) == (16, 128, 4, 3)
+    assert decode.smem_bytes == 16 * 128 * 2 + 3 * 128 * 128 * 2
+    assert config.kvcache_config(256, "bf16", False, 90, query_rows=16).block_n == 64
+    assert config.kvcache_config(64, "bf16", False, 90, query_rows=1).kernel == config.FWD_DECODE
+    short = config.kvcache_config(128, "bf16", False, 90, query_rows=17)
+    assert (short.kernel, short.block_m, short.block_n, short.warps) == (config.FWD_KVCACHE, 32, 128, 2)
     assert config.kvcache_config(128, "bf16", False, 90, query_rows=33).block_m == 64
     assert config.kvcache_config(128, "bf16", False, 90).block_m == 64
-    assert config.kvcache_config(64, "bf16", False, 90, query_rows=4).block_m == 64
-    assert config.kvcache_config(128, "fp16", True, 86, query_rows=4).block_n == 64
+    assert config.kvcache_config(96, "bf16", False, 90, query_rows=4).block_m == 64
+    assert config.kvcache_config(128, "fp16", True, 86, query_rows=20).block_n == 64
+    for head_dim in (64, 128, 256):  # every decoding tile fits the 99 KB parts, with >= 16 keys per warp
+        small = config.kvcache_config(head_dim, "fp16", True, 86, query_rows=4)
+        assert small.smem_bytes <= smem_limit(86) and small.block_n // small.warps >= 16
     every = config.all_kvcache_configs(90)
-    assert decode in every and config.kvcache_config(128, "bf16", False, 90) in every
+    assert decode in every and short in every and config.kvcache_config(128, "bf16", False, 90) in every
     assert len(every) == len(set(every))
 
 
