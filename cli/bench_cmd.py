@@ -215,7 +215,8 @@ def _decode(batch, seqlens, dtype, compare, warmup, repeats, fmt, output) -> Non
                                        "kv_heads": decode_bench.KV_HEADS, "head_dim": decode_bench.HEAD_DIM})
     info = gpu.gpu_info(cp)
     context = (f"decode {dtype} on {info.name}: seqlen_q 1, {decode_bench.HEADS} query / {decode_bench.KV_HEADS} kv "
-               f"heads, head dim {decode_bench.HEAD_DIM}; GB/s = K+V bytes / time; median of {repeats} samples")
+               f"heads, head dim {decode_bench.HEAD_DIM}; GB/s = K+V bytes / time; median of {decode_bench.ROUNDS} interleaved rounds "
+               f"of {repeats} samples each")
     if output:
         with open(output, "w") as f:
             f.write(text)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
 from cuflash2 import bench
 
@@ -58,17 +59,35 @@ def _runners(cp, p: DecodeProblem, compare):
     return runners
 
 
+ROUNDS = 3
+
+
+def _time_in_rounds(runners: dict, warmup: int, repeats: int) -> dict:
+    """{name: ms or the exception it raised}. The implementations are timed in turn, ROUNDS times
+    over, and each keeps the median of its rounds: a clock or memory state that drifts during the
+    run then weighs on all of them alike instead of on whichever ran first."""
+    samples: dict = {name: [] for name in runners}
+    for _ in range(ROUNDS):
+        for name, fn in runners.items():
+            if isinstance(samples[name], Exception):
+                continue
+            try:
+                samples[name].append(bench.time_cuda_ms(fn, warmup, repeats))
+            except Exception as exc:  # a backend that rejects the shape: report it, keep going
+                samples[name] = exc
+    return {name: s if isinstance(s, Exception) else statistics.median(s) for name, s in samples.items()}
+
+
 def run_decode(cp, problems, compare, warmup: int, repeats: int, on_row=None) -> list[dict]:
     """One row per (problem, implementation): ms, GB/s of K+V and the ratio cuflash2 / x."""
     rows = []
     for p in problems:
         results = {}
-        for name, fn in _runners(cp, p, compare).items():
-            try:
-                ms = bench.time_cuda_ms(fn, warmup, repeats)
+        for name, ms in _time_in_rounds(_runners(cp, p, compare), warmup, repeats).items():
+            if isinstance(ms, Exception):
+                results[name] = {"ms": math.nan, "gbps": math.nan, "error": f"{type(ms).__name__}: {ms}"[:80]}
+            else:
                 results[name] = {"ms": ms, "gbps": p.kv_bytes / ms / 1e6}
-            except Exception as exc:  # a backend that rejects the shape: report it, keep going
-                results[name] = {"ms": math.nan, "gbps": math.nan, "error": f"{type(exc).__name__}: {exc}"[:80]}
         ours = results["cuflash2"]["gbps"]
         for name, r in results.items():
             row = {"impl": name, "batch": p.batch, "kv_len": p.kv_len, "dtype": p.dtype, **r,

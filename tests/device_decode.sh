@@ -23,7 +23,7 @@ if [[ -n "${TILES:-}" ]]; then
 fi
 set -- ${NCU_CASES:-1 65536 1 2048}
 while [[ $# -ge 2 ]]; do
-    timeout 120 ncu --clock-control none --kernel-name regex:"kvcache|combine" --launch-skip 4 --launch-count 2 \
+    timeout 120 ncu --clock-control none --kernel-name regex:"kvcache|decode|combine" --launch-skip 4 --launch-count 2 \
         --section SpeedOfLight --section LaunchStats --section Occupancy \
         python tests/profile_decode.py "$1" "$2" > "$OUT/ncu-decode-$1-$2.log" 2>&1
     echo "ncu batch $1 kv $2:"; grep -E "^  [a-z_ ]*void|Duration|DRAM Throughput" "$OUT/ncu-decode-$1-$2.log" | cut -c1-60

@@ -91,9 +91,12 @@ for d, page, splits in ((64, 5, 3), (128, 16, 1), (256, 7, 0)):
     assert bool(cp.isfinite(as_float32(cp, out)).all())
     print(f"ok kvcache d={d} page={page} splits={splits}", flush=True)
 
-# One-token GQA decoding (the 32-row tile at head dim 128), lengths absent (the cache is full) and given.
+# One-token GQA decoding (the key-splitting decoding kernel), lengths absent (the cache is full) and
+# given, split or not; each call twice, so that the second runs through the decoding-step fast path.
 q, k_cache, v_cache = arrays((3, 1, 8, 128), (3, 77, 2, 128), (3, 77, 2, 128))
 for seqlens in (None, cp.asarray(np.array([0, 40, 77], np.int32))):
-    out = cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
-    cp.cuda.get_current_stream().synchronize()
-    print(f"ok decode d=128 seqlens={'none' if seqlens is None else 'given'}", flush=True)
+    for splits in (0, 1):
+        for _ in range(2):
+            out = cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits)
+        cp.cuda.get_current_stream().synchronize()
+        print(f"ok decode d=128 seqlens={'none' if seqlens is None else 'given'} splits={splits}", flush=True)
