@@ -256,15 +256,16 @@ _KVCACHE_TILES = {32: (64, 128, 4, 3), 64: (64, 128, 4, 3), 96: (64, 64, 4, 3), 
                   160: (64, 32, 4, 3), 192: (64, 32, 4, 3), 224: (128, 32, 8, 2), 256: (128, 32, 8, 2)}
 
 
-# One-token decoding puts a GQA group of query heads (at most 32 here) in the rows of one block: a
-# 32-row block of 2 warps wastes fewer tensor-core rows than 64 and fits 2 blocks per SM. At head
-# dim 128 it measured 1.01-1.40x the 64-row tile's bandwidth (H200; BENCHMARKS.md, log item 12).
+# One-token decoding puts a GQA group of query heads in the rows of one block. Groups of 17-32 rows
+# take a 32-row block of 2 warps: fewer wasted tensor-core rows than 64, and 2 blocks per SM. At
+# head dim 128 it measured 1.01-1.40x the 64-row tile's bandwidth (H200; BENCHMARKS.md, item 12).
 _KVCACHE_SHORT_TILES = {128: (32, 128, 2, 3)}
 KVCACHE_SHORT_ROWS = 32
 
 # Up to 16 query rows (one-token decoding with GQA groups up to 16, or short chunks) go to the
 # decoding kernel, whose warps split each K/V tile's keys instead of the rows (flash_fwd.cu,
-# flash_fwd_decode_kernel): (block_n, warps, stages), 16 rows each.
+# flash_fwd_decode_kernel): (block_n, warps, stages), 16 rows each. At head dim 128 it measured
+# 1.02-1.12x the 32-row tile's bandwidth (H200; BENCHMARKS.md, log item 23).
 _DECODE_TILES = {64: (128, 4, 3), 128: (128, 4, 3), 256: (64, 4, 3)}
 DECODE_ROWS = 16
 
