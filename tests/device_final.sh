@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The closing GPU-machine run of a session, in two calls (each under the 10-minute limit):
+#   PART=suite     the GPU suite (compile everything, every GPU test), the decode benchmark against
+#                  torch's backends, the host cost of a decoding step
+#   PART=sanitize  compute-sanitizer over every kernel family, then the decode benchmark once more
+# Logs under $OUT.
+set -u
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+if [[ "${PART:-suite}" == suite ]]; then
+    SKIP_BENCH=1 OUT=$OUT bash tests/gpu_suite.sh > "$OUT/suite.out" 2>&1
+    tail -4 "$OUT/suite.out"
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20
+else
+    OUT=$OUT bash tests/sanitize.sh
+fi
+python -m cuflash2 bench --decode --compare torch-flash,torch-cudnn > "$OUT/decode.log" 2>&1
+tail -42 "$OUT/decode.log"
+python tests/profile_calls.py decode decode-torch > "$OUT/profile_calls.log" 2>&1
+grep "wall per call" "$OUT/profile_calls.log"
