@@ -25,7 +25,7 @@ import numpy as np
 
 from . import interop, kvcache_step, launch, reference
 from .api import numpy_alibi
-from .config import KernelConfig, kvcache_config, kvcache_helper_configs
+from .config import FWD_DECODE, KernelConfig, kvcache_config, kvcache_helper_configs
 from .features import Features, check_alibi, check_softcap, check_window
 from .validate import (
     AttentionShape,
@@ -67,6 +67,14 @@ def num_splits_heuristic(blocks: int, slots: int, key_blocks: int, max_splits: i
 
     best = max(efficiency(s) for s in range(1, limit + 1))
     return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.85 * best)
+
+
+def split_slots_per_sm(config: KernelConfig) -> int:
+    """Thread blocks per SM that split-KV aims to fill. The row-split KV-cache tiles fit 2 per SM
+    and need both to reach full bandwidth. One block of the decoding kernel (4 warps over the keys)
+    per SM already reads at full bandwidth: splitting further only adds partial results and the
+    combine (measured: batch 16 at 2k-8k keys, 1 split 1.05-1.23x 2 splits; BENCHMARKS.md)."""
+    return 1 if config.kernel == FWD_DECODE else 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,7 +440,7 @@ def _attention(device_id, q, out, lse, cache: _Cache, sym: dict, causal, feature
     config = kvcache_config(shape.head_dim, launch.SHORT_DTYPE[shape.dtype], causal, arch, shape.seqlen_q)
     m_blocks = math.ceil(shape.seqlen_q / config.block_m)
     if num_splits == 0:
-        slots = 2 * _sm_count(device_id)
+        slots = split_slots_per_sm(config) * _sm_count(device_id)
         num_splits = num_splits_heuristic(m_blocks * shape.nheads * cache.batch, slots,
                                           math.ceil(cache.cache_rows / config.block_n))
     num_splits = max(1, min(num_splits, _MAX_SPLITS, math.ceil(cache.cache_rows / config.block_n)))

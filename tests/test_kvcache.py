@@ -205,3 +205,18 @@ def test_num_splits_heuristic_fills_the_gpu_for_single_sequence_decoding():
     # batch 1, 8 kv heads, one query block, 64k keys in 64-key blocks, 132 SMs x 2 slots
     splits = num_splits_heuristic(8, 264, 1024)
     assert splits == 33  # 8 x 33 = 264: every slot of the one wave busy
+
+
+def test_split_kv_fills_one_decoding_block_per_sm():
+    """The decoding kernel aims split-KV at one block per SM (its 4 warps already read at full
+    bandwidth), the row-split tiles at two; with 132 SMs, batch 16 x 8 kv heads is not split for the
+    decoding kernel, and one sequence gets 16 splits."""
+    from cuflash2 import config
+    from cuflash2.kvcache import split_slots_per_sm
+
+    decode = config.kvcache_config(128, "bf16", False, 90, query_rows=4)
+    rows64 = config.kvcache_config(128, "bf16", False, 90, query_rows=64)
+    assert split_slots_per_sm(decode) == 1 and split_slots_per_sm(rows64) == 2
+    sms = 132
+    assert num_splits_heuristic(16 * 8, split_slots_per_sm(decode) * sms, 64) == 1
+    assert num_splits_heuristic(8, split_slots_per_sm(decode) * sms, 512) == 16
