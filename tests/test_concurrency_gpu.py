@@ -85,6 +85,47 @@ def test_threads_on_own_streams_match_single_threaded_results():
     assert mismatches == [[]] * len(THREAD_CONFIGS), f"iterations differing from single-threaded runs: {mismatches}"
 
 
+# Decoding steps from two threads at once, each on its own stream: the fast path of a known call
+# signature (kvcache_step) shares its steps between threads and packs arguments per thread. Each
+# thread's 20 steps (split-KV in one, unsplit in the other) must equal its single-threaded outputs.
+DECODE_CONFIGS = [(1, 3000, 0), (4, 700, 1)]  # (batch, cache length, num_splits) per thread
+
+
+def test_decode_threads_on_own_streams_match_single_threaded_results():
+    import cupy as cp
+
+    import cuflash2
+
+    def inputs(config, seed):
+        batch, length, _ = config
+        q, k_cache, v_cache = random_inputs(cp, [(batch, 1, 32, 128), (batch, length, 8, 128),
+                                                 (batch, length, 8, 128)], "bf16", seed)
+        lengths = cp.asarray(np.arange(batch, dtype=np.int32) * 7 + length - 30)
+        return q, k_cache, v_cache, lengths
+
+    def step(q, k_cache, v_cache, lengths, splits):
+        return cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=splits,
+                                               return_softmax_lse=True)
+
+    data = [[inputs(c, 100 * t + i) for i in range(2)] for t, c in enumerate(DECODE_CONFIGS)]
+    expected = [[step(*x, c[-1]) for x in sets] for sets, c in zip(data, DECODE_CONFIGS)]
+    cp.cuda.Device().synchronize()
+    barrier = threading.Barrier(len(DECODE_CONFIGS))
+
+    def work(t):
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            barrier.wait()
+            results = [step(*data[t][it % 2], DECODE_CONFIGS[t][-1]) for it in range(ITERATIONS)]
+            stream.synchronize()
+        return [it for it, r in enumerate(results)
+                if not all(same_bits(cp, a, b) for a, b in zip(r, expected[t][it % 2]))]
+
+    with concurrent.futures.ThreadPoolExecutor(len(DECODE_CONFIGS)) as pool:
+        mismatches = list(pool.map(work, range(len(DECODE_CONFIGS))))
+    assert mismatches == [[]] * len(DECODE_CONFIGS), f"steps differing from single-threaded runs: {mismatches}"
+
+
 def _torch_matches(torch, result, expected, config) -> bool:
     """As _matches, for (out, dq, dk, dv) torch tensors."""
     if _reproducible(config):
