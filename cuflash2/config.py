@@ -282,9 +282,11 @@ def kvcache_config(head_dim: int, dtype: str, causal: bool, arch: int, query_row
         while config.smem_bytes > smem_limit(arch):  # 99 KB parts: fewer stages, then smaller key blocks
             if config.stages > 2:
                 config = dataclasses.replace(config, stages=config.stages - 1)
-            else:
-                assert config.block_n // warps > 16, f"{config.short_id()} needs {config.smem_bytes} B"
+            elif config.block_n // warps > 16:
                 config = dataclasses.replace(config, block_n=config.block_n // 2)
+            else:
+                raise RuntimeError(f"{config.short_id()} needs {config.smem_bytes} B of shared memory, "
+                                   f"more than sm_{arch} has")
         return config
     short = _KVCACHE_SHORT_TILES.get(bucket) if query_rows <= KVCACHE_SHORT_ROWS else None
     block_m, block_n, warps, stages = short or _KVCACHE_TILES[bucket]

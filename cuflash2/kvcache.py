@@ -182,7 +182,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     arrays = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
               rotary_cos, rotary_sin)  # kvcache_step.INPUT_BUFFERS
     step_key = kvcache_step.call_key(q, arrays, (softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                                                 num_splits, return_softmax_lse)) if FAST_STEPS else None
+                                                 num_splits, return_softmax_lse)) \
+        if FAST_STEPS and launch.PACKED_LAUNCH else None
     step = kvcache_step.lookup(step_key)
     if step is not None:  # a decoding step of a signature seen before
         result = step(arrays)
@@ -443,7 +444,9 @@ def _attention(device_id, q, out, lse, cache: _Cache, sym: dict, causal, feature
         slots = split_slots_per_sm(config) * _sm_count(device_id)
         num_splits = num_splits_heuristic(m_blocks * shape.nheads * cache.batch, slots,
                                           math.ceil(cache.cache_rows / config.block_n))
-    num_splits = max(1, min(num_splits, _MAX_SPLITS, math.ceil(cache.cache_rows / config.block_n)))
+    key_blocks = math.ceil(cache.cache_rows / config.block_n)
+    num_splits = max(1, min(num_splits, _MAX_SPLITS, key_blocks))
+    num_splits = math.ceil(key_blocks / math.ceil(key_blocks / num_splits))  # no split left without keys
     rows = cache.batch * shape.nheads * shape.seqlen_q
     partial_rows = num_splits * rows if num_splits > 1 else 0
     o_partial = _symbolic("o_partial", lse) if partial_rows else None

@@ -17,6 +17,7 @@ the errors.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -88,6 +89,7 @@ class _Torch:
         self.array_type = torch.Tensor
         self.current_device = cupy.cuda.runtime.getDevice  # the CUDA runtime's, shared with torch
         self.float32 = torch.float32
+        self._devices: dict = {}
         # The current stream as a raw handle without building a Stream object (what compiled torch
         # code uses); the public call is the fallback.
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -108,11 +110,17 @@ class _Torch:
     def stream(self, device_id: int) -> int:
         return self._raw_stream(device_id)
 
+    def _device(self, device_id: int):
+        device = self._devices.get(device_id)
+        if device is None:
+            device = self._devices[device_id] = self.torch.device("cuda", device_id)
+        return device
+
     def empty(self, shape, dtype, device_id: int):
-        return self.torch.empty(shape, dtype=dtype, device=self.torch.device("cuda", device_id))
+        return self.torch.empty(shape, dtype=dtype, device=self._device(device_id))
 
     def scratch(self, nbytes: int, device_id: int):
-        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.torch.device("cuda", device_id))
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self._device(device_id))
 
 
 _frameworks: dict[str, object] = {}
@@ -133,11 +141,23 @@ def _kind_of(q) -> str | None:
 _steps: dict = {}
 
 
+_OPTION_TYPES = (type(None), bool, int, float)
+
+
+def _plain_option(value) -> bool:
+    """Options compared by value: Python scalars and tuples of them. Anything else (a tensor or a
+    NumPy scalar as softmax_scale, say) may hash by identity or change in place: the full path."""
+    if type(value) is tuple:
+        return all(type(v) in _OPTION_TYPES for v in value)
+    return type(value) in _OPTION_TYPES
+
+
 def call_key(q, arrays: tuple, options: tuple):
     """The fast-path key of a call (None when the call cannot take the fast path): the framework,
-    each array argument's shape, strides, dtype and device, and the options."""
+    each array argument's shape, strides, dtype and device, and the options with their types (so
+    that num_splits=True, which the full path rejects, never matches num_splits=1)."""
     kind = _kind_of(q)
-    if kind is None:
+    if kind is None or not all(map(_plain_option, options)):
         return None
     ops = _framework(kind)
     array_type, signature = ops.array_type, ops.signature
@@ -149,16 +169,24 @@ def call_key(q, arrays: tuple, options: tuple):
             sig.append(signature(x))
         else:  # a Python int, a NumPy array, another framework's tensor: the full path
             return None
-    return kind, tuple(sig), options
+    return kind, tuple(sig), options, tuple(map(type, options))
 
 
 def lookup(key):
-    if key is None:
-        return None
-    try:
-        return _steps.get(key)
-    except TypeError:  # an unhashable option (a list for window_size, say): the full path
-        return None
+    return None if key is None else _steps.get(key)
+
+
+class StepLaunch(NamedTuple):
+    """One launch of a step; `slots` are (argument index, index into the step's pointer list)."""
+
+    kernel: object  # the CuPy kernel, kept alive with its module
+    function: int  # its CUfunction handle
+    grid: tuple
+    threads: int
+    smem_bytes: int
+    packer: object  # struct.Struct of the argument slots
+    template: list  # the arguments, pointers still symbolic
+    slots: tuple
 
 
 class Step:
@@ -170,7 +198,7 @@ class Step:
         self.device_id = device_id
         self.out_shape, self.out_dtype, self.lse_shape, self.return_lse = out_shape, out_dtype, lse_shape, return_lse
         self.offsets, self.scratch_bytes = scratch_layout(regions)
-        self.launches = launches  # (function, grid, threads, smem, packer, argument template, pointer slots)
+        self.launches = launches  # StepLaunch tuples
         self.calls = 0  # steps run (tests check that a loop takes the fast path)
 
     def __call__(self, arrays: tuple):
@@ -191,11 +219,12 @@ class Step:
                      base + offsets.get("q_rot", 0), base + offsets.get("o_partial", 0),
                      base + offsets.get("lse_partial", 0)]
         stream = ops.stream(device_id)
-        for function, grid, threads, smem, packer, template, slots in self.launches:
-            args = template.copy()
-            for index, source in slots:
+        for step in self.launches:
+            args = step.template.copy()
+            for index, source in step.slots:
                 args[index] = pointers[source]
-            packed_launch.launch_packed(function, grid, threads, smem, stream, packer, args)
+            packed_launch.launch_packed(step.function, step.grid, step.threads, step.smem_bytes, stream, step.packer,
+                                        args)
         del scratch  # stream-ordered: reused only by work queued after this point
         self.calls += 1
         return (out, lse) if self.return_lse else out
@@ -205,12 +234,8 @@ def register(key, plan, infos: dict, arrays: tuple, device_id: int, q, return_ls
     """Keep a Step for this call signature, if the full path used the caller's buffers as given."""
     if key is None or not plan.launches:
         return
-    try:
-        hash(key)
-    except TypeError:  # an unhashable option value
-        return
     ops = _framework(key[0])
-    for name, x in zip(INPUT_BUFFERS, arrays):
+    for name, x in zip(INPUT_BUFFERS, arrays, strict=True):
         info = infos[name]
         if (x is None) != (info is None):
             return
@@ -229,8 +254,8 @@ def register(key, plan, infos: dict, arrays: tuple, device_id: int, q, return_ls
         packer = packed_launch.slot_format(tuple(map(type, step.args)))
         template = [a.item() for a in step.args]  # Python scalars pack faster; the packer keeps the types
         slots = tuple((index, sources[name]) for index, name in step.pointer_slots)
-        launches.append((kernel.kernel.ptr, grid, step.config.threads, step.config.smem_bytes, packer, template,
-                         slots))
+        launches.append(StepLaunch(kernel, kernel.kernel.ptr, grid, step.config.threads, step.config.smem_bytes,
+                                   packer, template, slots))
     if len(_steps) >= _MAX_STEPS:
         _steps.clear()
     _steps[key] = Step(key[0], device_id, tuple(q.shape), q.dtype, (cache.batch, cache.nheads, cache.seqlen_q),
@@ -241,4 +266,4 @@ def clear() -> None:
     _steps.clear()
 
 
-__all__ = ["Step", "call_key", "clear", "lookup", "register", "scratch_layout"]
+__all__ = ["Step", "StepLaunch", "call_key", "clear", "lookup", "register", "scratch_layout"]

@@ -108,7 +108,9 @@ CF_DEVICE void apply_dropout(float (&p)[Tr::kMTiles][Tr::kNTiles][4], const Drop
         v_batch_stride, v_row_stride, v_head_stride, o_batch_stride, o_row_stride, o_head_stride, seqlen_q,     \
         seqlen_k, head_dim, kv_group, scale_log2, softmax_scale
 
-// Split-KV: this split's partial output (normalised over its own keys) and LSE, in fp32.
+// Split-KV: this split's partial output (normalised over its own keys) and LSE, in fp32. Every row
+// below rows_left is written, 0 and +inf where the split saw no key (also when it has no key block
+// at all): the combine kernel reads every split's rows unconditionally.
 template <class Tr>
 CF_DEVICE void store_partial(const float (&acc_o)[Tr::kMTiles][Tr::kDTiles][4], const float (&inv_sum)[Tr::kMTiles][2],
                              const float (&row_lse)[Tr::kMTiles][2], float* o_rows, float* lse_rows, int warp_row0,
@@ -385,7 +387,7 @@ struct DecodeTraits {
 };
 
 // Merged output of the warps for the rows and 8-column chunks this thread takes: normalised fp32
-// partials and LSEs for split-KV, else the output and LSE.
+// partials and LSEs for split-KV (every row below rows_left, as store_partial), else the output and LSE.
 template <class T, class Tr>
 CF_DEVICE void merge_warps(const float* merge_o, const float* merge_max, const float* merge_sum, int tid,
                            int rows_left, int head_dim, u16* o_blk, i64 o_row_stride, float* lse_blk,

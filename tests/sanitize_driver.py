@@ -77,13 +77,14 @@ for d in (64, 128):
     print(f"ok varlen d={d}", flush=True)
 
 # KV cache: append with rotary into a paged cache (odd page size), split-KV and its combine kernel.
+# Sequences span several key blocks (200-280 rows), so the requested splits really happen.
 for d, page, splits in ((64, 5, 3), (128, 16, 1), (256, 7, 0)):
+    per_seq = 280 // page
     q, k_new, v_new = arrays((2, 2, 4, d), (2, 2, 2, d), (2, 2, 2, d))
-    pages_k, pages_v = arrays((9, page, 2, d), (9, page, 2, d))
-    per_seq = 4
-    table = cp.asarray(rng.permutation(9)[:2 * per_seq].reshape(2, per_seq).astype(np.int32))
-    seqlens = cp.asarray(np.array([3, 4 * page - 2], np.int32))
-    theta = rng.uniform(0, 6.28, (4 * page + 4, d // 4))
+    pages_k, pages_v = arrays((2 * per_seq + 1, page, 2, d), (2 * per_seq + 1, page, 2, d))
+    table = cp.asarray(rng.permutation(2 * per_seq + 1)[:2 * per_seq].reshape(2, per_seq).astype(np.int32))
+    seqlens = cp.asarray(np.array([3, per_seq * page - 2], np.int32))
+    theta = rng.uniform(0, 6.28, (per_seq * page + 4, d // 4))
     cos, sin = cp.asarray(np.cos(theta).astype(np.float32)), cp.asarray(np.sin(theta).astype(np.float32))
     out = cuflash2.flash_attn_with_kvcache(q, pages_k, pages_v, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
                                            cache_seqlens=seqlens, block_table=table, causal=True, num_splits=splits)
@@ -93,8 +94,8 @@ for d, page, splits in ((64, 5, 3), (128, 16, 1), (256, 7, 0)):
 
 # One-token GQA decoding (the key-splitting decoding kernel), lengths absent (the cache is full) and
 # given, split or not; each call twice, so that the second runs through the decoding-step fast path.
-q, k_cache, v_cache = arrays((3, 1, 8, 128), (3, 77, 2, 128), (3, 77, 2, 128))
-for seqlens in (None, cp.asarray(np.array([0, 40, 77], np.int32))):
+q, k_cache, v_cache = arrays((3, 1, 8, 128), (3, 333, 2, 128), (3, 333, 2, 128))  # 3 key blocks
+for seqlens in (None, cp.asarray(np.array([0, 140, 333], np.int32))):
     for splits in (0, 1):
         for _ in range(2):
             out = cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits)

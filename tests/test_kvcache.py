@@ -183,7 +183,7 @@ def test_cache_dtype_mismatch_is_rejected():
 
 
 @pytest.mark.parametrize("blocks,slots,key_blocks", [(8, 264, 1024), (1, 264, 32), (64, 264, 128), (300, 264, 64),
-                                                     (33, 264, 2), (5, 100, 7)])
+                                                     (33, 264, 2), (5, 100, 7), (60, 100, 64), (150, 264, 64)])
 def test_num_splits_heuristic(blocks, slots, key_blocks):
     splits = num_splits_heuristic(blocks, slots, key_blocks)
     assert 1 <= splits <= max(1, min(128, key_blocks))

@@ -300,3 +300,55 @@ def test_fast_path_leaves_bad_calls_to_the_full_path():
     kvcache.clear_plans()
     cuflash2.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=10)
     assert not kvcache_step._steps
+
+
+@pytest.mark.parametrize("group,head_dim,splits", [(16, 120, 40), (8, 40, 128), (16, 248, 20), (1, 64, 9),
+                                                   (4, 128, 100)])
+def test_decoding_kernel_groups_many_splits_and_padded_head_dims(group, head_dim, splits):
+    """The decoding kernel with GQA groups of 1-16 rows (rows 8-15 of its merge), head dims that
+    are not a bucket's width (padded columns), and 9-128 splits (every lane and group of the
+    combine kernel), against the NumPy path; one sequence has fewer keys than the splits need."""
+    import cupy as cp
+
+    rng = np.random.default_rng(stable_seed(group, head_dim, splits))
+    hk, cache_len = 2, 128 * 256  # 256 key blocks of 128: up to 128 splits of 2
+    f = NP["fp16"]
+    q = rng.standard_normal((2, 1, hk * group, head_dim)).astype(f)
+    k_cache = rng.standard_normal((2, cache_len, hk, head_dim)).astype(f)
+    v_cache = rng.standard_normal((2, cache_len, hk, head_dim)).astype(f)
+    kwargs = {"cache_seqlens": np.array([cache_len, 300], np.int32), "num_splits": splits,
+              "return_softmax_lse": True}
+    out, lse = cuflash2.flash_attn_with_kvcache(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache),
+                                                **_to_gpu(cp, kwargs))
+    ref_out, ref_lse = cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+    err = np.abs(cp.asnumpy(out).astype(np.float32) - ref_out.astype(np.float32)).max()
+    assert err <= 4 * 2.0 ** -11 * max(1.0, np.abs(ref_out.astype(np.float32)).max()), f"out max error {err:.3e}"
+    assert np.abs(cp.asnumpy(lse) - ref_lse).max() < 1e-3
+
+
+def test_fast_path_refuses_converted_inputs():
+    """Calls whose inputs the full path copies or converts (fp16 rotary tables, a q with a strided
+    last dim) never get a fast-path step, and still compute the same as a contiguous call."""
+    import cupy as cp
+
+    from cuflash2 import kvcache, kvcache_step
+
+    rng = np.random.default_rng(11)
+    f = NP["bf16"]
+    k_cache = cp.asarray(rng.standard_normal((1, 64, 2, 64)).astype(f))
+    seqlens = cp.full((1,), 50, dtype=cp.int32)
+    theta = rng.uniform(0, 6.28, (80, 16))
+    cos16, sin16 = cp.asarray(np.cos(theta).astype(np.float16)), cp.asarray(np.sin(theta).astype(np.float16))
+    q = cp.asarray(rng.standard_normal((1, 1, 4, 64)).astype(f))
+    kvcache.clear_plans()
+    for _ in range(2):
+        cuflash2.flash_attn_with_kvcache(q, k_cache, k_cache, rotary_cos=cos16, rotary_sin=sin16, cache_seqlens=seqlens)
+    assert not kvcache_step._steps
+    wide = cp.asarray(rng.standard_normal((1, 1, 4, 128)).astype(f))
+    strided = wide[..., ::2]  # last stride 2: the full path copies it
+    results = [cuflash2.flash_attn_with_kvcache(strided, k_cache, k_cache, cache_seqlens=seqlens) for _ in range(2)]
+    assert not kvcache_step._steps
+    contiguous = cuflash2.flash_attn_with_kvcache(cp.ascontiguousarray(strided), k_cache, k_cache,
+                                                  cache_seqlens=seqlens)
+    for r in results:
+        np.testing.assert_array_equal(cp.asnumpy(r.view(cp.uint16)), cp.asnumpy(contiguous.view(cp.uint16)))
