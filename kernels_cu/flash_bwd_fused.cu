@@ -44,7 +44,8 @@ struct FusedBwdTraits {
     // (d256: 64 + 129 + 16 + 130 KB; d64 with 128-row blocks: 32 + 66 + 64 + 68 KB). Then dQ is
     // staged over the stage just consumed (its Q, dO, LSE and D: fp32 dQ rows take the bytes of a
     // Q row and a dO row, the padding a little more), and the next query block loads once the copy
-    // engine has read that stage out (see the loop).
+    // engine has read that stage out (see the loop). (One buffer of its own where that fits, d64 and
+    // d192, with the next block's load at the top of the iteration, measured 5-6% slower: log item 26.)
     static constexpr int kPlainStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
     static constexpr int kFixedBytes = 2 * KTile::kBytes + 2 * PTile::kBytes;     // K, V, P^T, dS^T
     static constexpr int kSmemLimit = 227 * 1024;  // sm_90's per-block opt-in maximum (d128 uses all of it)
@@ -64,12 +65,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     using Tr = FusedBwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps>;
     // dQ = dS K is computed kDqChunk 8-column tiles at a time. Wider passes give the tensor cores
-    // more independent accumulators per k-step (the product is latency-bound with 4) and reload the
-    // dS fragments less often, but keep more registers live: 4 measured 1.03-1.07x, and is used
-    // where it compiles without spills under NVRTC 12.9 and 13.x: head dim 256, and head dim 64
-    // except its non-causal MHA build (8 bytes under 12.9); head dim 128 spills 4-28 bytes with it.
-    constexpr int kDqChunk =
-        Tr::kDqTiles % 4 == 0 && (kHeadDim == 256 || (kHeadDim == 64 && (kCausal || kFloatDkv))) ? 4 : 2;
+    // more independent accumulators per k-step (the product is latency-bound with 2 tiles) and
+    // reload the dS fragments less often, but keep more registers live: 4 tiles measured 1.04-1.10x
+    // at head dims 64 and 128 once the P^T / dS^T stores (stmatrix) and the loop-invariant addresses
+    // stopped taking registers (BENCHMARKS.md, log item 26). Head dim 192 has 6 tiles per warp.
+    constexpr int kDqChunk = Tr::kDqTiles % 4 == 0 ? 4 : 2;
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int key_group = warp % Tr::kKeyGroups, col_group = warp / Tr::kKeyGroups;
@@ -125,18 +125,22 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     zero_acc(acc_dv);
     const int warp_key0 = key_group * Tr::kWarpKeys;           // first key of this warp (in the block)
     const int warp_query0 = col_group * (kBlockM / Tr::kColGroups);  // first query of this warp's S^T part
-    const int dq_row0 = (warp % Tr::kDqRowGroups) * 32;        // dQ: first row and column tile
-    const int dq_tile0 = (warp / Tr::kDqRowGroups) * Tr::kDqTiles;
     const LdsmCursor<typename Tr::KTile> k_as_a(k_smem, warp_key0 + lane % 16, lane / 16);
     const LdsmCursor<typename Tr::KTile> v_as_a(v_smem, warp_key0 + lane % 16, lane / 16);
-    const LdsmCursor<typename Tr::KTile> k_as_b(k_smem, lane % 16, lane / 16);  // trans: rows = keys
     const LdsmCursor<typename Tr::PTile> pt_as_a(pt_smem, warp_key0 + lane % 16, lane / 16);
     const LdsmCursor<typename Tr::PTile> dst_as_a(dst_smem, warp_key0 + lane % 16, lane / 16);
-    const LdsmCursor<typename Tr::PTile> dst_as_at(dst_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
-    // Byte offset in P^T / dS^T of this lane's pair (rows + 8 r, columns 2 (lane % 4) + {0, 1}) of tile (mt, nt).
-    auto p_tile_offset = [&](int mt, int nt, int r) {
-        return Tr::PTile::chunk_offset(warp_key0 + mt * 16 + lane / 4 + 8 * r, warp_query0 / 8 + nt) + (lane % 4) * 4;
+    // This warp's part of P^T / dS^T (keys of the group x queries of column group c), addressed for
+    // stmatrix / ldmatrix: pt_frag.at(mt * 16, 2 * np) is tile pair (2 np, 2 np + 1) of row tile mt.
+    const auto pt_frag = pt_as_a.template shifted<Tr::kSTiles>(warp_query0 / 8);
+    const auto dst_frag = dst_as_a.template shifted<Tr::kSTiles>(warp_query0 / 8);
+    // Q / dO read as B for dV and dK, from this warp's first column: folded into the cursor where the
+    // column tiles of a warp come in a power of two (not at head dim 192).
+    constexpr bool kFoldDkvCols = (Tr::kDTiles & (Tr::kDTiles - 1)) == 0;
+    auto dkv_b_operand = [&](u32 tile) {
+        const LdsmCursor<typename Tr::QTile> cursor(tile, lane % 16, lane / 16);
+        return kFoldDkvCols ? cursor.template shifted<kFoldDkvCols ? Tr::kDTiles : 1>(col_group * Tr::kDTiles) : cursor;
     };
+    const int dkv_chunk0 = kFoldDkvCols ? 0 : col_group * Tr::kDTiles;
 
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
         const int it = m_block - m_begin;
@@ -155,46 +159,55 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
             p, k_as_a, LdsmCursor<typename Tr::QTile>(q_smem, warp_query0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
         const bool needs_mask = mask.tile_needs_mask(m_block, n_block, kBlockM, kBlockN);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int nt = 0; nt < Tr::kSTiles; ++nt) {
+            const int col0 = warp_query0 + nt * 8 + (lane % 4) * 2;  // this lane's two queries of tile nt
+            const float2 lse2 = *reinterpret_cast<const float2*>(lse_rows + col0);
+            const float neg_lse_log2[2] = {-lse2.x * kLog2e, -lse2.y * kLog2e};
 #pragma unroll
-            for (int nt = 0; nt < Tr::kSTiles; ++nt)
+            for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int col = warp_query0 + nt * 8 + (lane % 4) * 2 + (i & 1);
+                    const int col = col0 + (i & 1);
                     const int key = key0 + warp_key0 + mt * 16 + lane / 4 + (i >= 2 ? 8 : 0);
-                    float pv = fast_exp2(fmaf(p[mt][nt][i], scale_log2, -lse_rows[col] * kLog2e));
+                    float pv = fast_exp2(fmaf(p[mt][nt][i], scale_log2, neg_lse_log2[i & 1]));
                     if (needs_mask && !mask.visible_in_range(m_block * kBlockM + col, key)) pv = 0.f;
                     p[mt][nt][i] = pv;
                 }
-        // P^T goes to shared memory now (the dV / dK products need every query of the block); dS^T
-        // reads this lane's own P back from there (no barrier needed) instead of keeping it in
-        // registers through the dP product: that keeps the head-dim-128 kernel from spilling, and
-        // dS uses the same rounded P as dV.
+        }
+        // P^T goes to shared memory now (the dV / dK products need every query of the block), one
+        // stmatrix per tile pair; dS^T reads the warp's own P back from there instead of keeping it
+        // in registers through the dP product (that spills from head dim 64 up), and dS uses the
+        // same rounded P as dV.
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < Tr::kSTiles; ++nt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    *reinterpret_cast<u32*>(smem + (pt_smem - k_smem) + p_tile_offset(mt, nt, r)) =
-                        T::pack(p[mt][nt][2 * r], p[mt][nt][2 * r + 1]);
+            for (int np = 0; np < Tr::kSTiles / 2; ++np)
+                stmatrix_x4(pt_frag.at(mt * 16, 2 * np), pack_tile_pair<T>(p[mt][2 * np], p[mt][2 * np + 1]).r);
         // dP^T = V dO^T, then dS^T = P^T * (dP^T - D), to shared memory as well.
         float ds[2][Tr::kSTiles][4];
         zero_acc(ds);
         gemm_abt<T, 2, Tr::kSTiles, kHeadDim / 16>(
             ds, v_as_a, LdsmCursor<typename Tr::QTile>(do_smem, warp_query0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
+        __syncwarp();  // P^T rows stored by other lanes of the warp
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < Tr::kSTiles; ++nt)
+            for (int np = 0; np < Tr::kSTiles / 2; ++np) {
+                u32 p_pairs[4];  // (tile 2np, rows +0), (2np, +8), (2np + 1, +0), (2np + 1, +8)
+                ldmatrix_x4(pt_frag.at(mt * 16, 2 * np), p_pairs);
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int col = warp_query0 + nt * 8 + (lane % 4) * 2;
-                    const u32 p_pair = *reinterpret_cast<const u32*>(smem + (pt_smem - k_smem) + p_tile_offset(mt, nt, r));
-                    const float ds_lo = T::to_float((u16)(p_pair & 0xffffu)) * (ds[mt][nt][2 * r] - delta_rows[col]);
-                    const float ds_hi = T::to_float((u16)(p_pair >> 16)) * (ds[mt][nt][2 * r + 1] - delta_rows[col + 1]);
-                    *reinterpret_cast<u32*>(smem + (dst_smem - k_smem) + p_tile_offset(mt, nt, r)) = T::pack(ds_lo, ds_hi);
+                for (int half = 0; half < 2; ++half) {
+                    const int nt = 2 * np + half;
+                    const float2 d = *reinterpret_cast<const float2*>(delta_rows + warp_query0 + nt * 8 + (lane % 4) * 2);
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const u32 pair = p_pairs[2 * half + r];
+                        ds[mt][nt][2 * r] = T::to_float((u16)(pair & 0xffffu)) * (ds[mt][nt][2 * r] - d.x);
+                        ds[mt][nt][2 * r + 1] = T::to_float((u16)(pair >> 16)) * (ds[mt][nt][2 * r + 1] - d.y);
+                    }
                 }
+                stmatrix_x4(dst_frag.at(mt * 16, 2 * np), pack_tile_pair<T>(ds[mt][2 * np], ds[mt][2 * np + 1]).r);
+            }
         if (Tr::kDqInStage) {
             dq_stage.wait_all_read(tid);  // the other stage's dQ (issued above) has been read out
         } else {
@@ -203,24 +216,34 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         __syncthreads();  // P^T and dS^T complete
         if (Tr::kDqInStage) load_query_block(m_block + 1);  // lands while dV, dK and dQ are computed
 
-        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dv, pt_as_a, LdsmCursor<typename Tr::QTile>(do_smem, lane % 16, lane / 16),
-                                                 col_group * Tr::kDTiles);  // dV += P^T dO
-        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dk, dst_as_a, LdsmCursor<typename Tr::QTile>(q_smem, lane % 16, lane / 16),
-                                                 col_group * Tr::kDTiles);  // dK += dS^T Q
+        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dv, pt_as_a, dkv_b_operand(do_smem), dkv_chunk0);  // dV += P^T dO
+        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dk, dst_as_a, dkv_b_operand(q_smem), dkv_chunk0);   // dK += dS^T Q
         if (Tr::kDqInStage) __syncthreads();  // every warp is done with this stage's Q and dO: dQ goes there
         // dQ = dS K for rows [dq_row0, +32) of this query block, kDqChunk 8-column tiles at a time
         // (few live registers next to the dK / dV accumulators).
         const u32 dq_buf = dq_stage.buffer(it);
+        // This warp's dQ rows and columns, and its operand cursors, are derived here from an opaque
+        // copy of the thread id: computed once before the loop they would stay live through all of
+        // it next to the accumulators (one of them spilled at head dim 128).
+        const int lane_q = opaque_int(threadIdx.x) % 32, warp_q = opaque_int(threadIdx.x) / 32;
+        const int dq_row0 = (warp_q % Tr::kDqRowGroups) * 32;  // first row and column tile
+        const int dq_tile0 = (warp_q / Tr::kDqRowGroups) * Tr::kDqTiles;
+        constexpr bool kFoldDqCols = (Tr::kDqTiles & (Tr::kDqTiles - 1)) == 0;
+        const auto dst_as_at = LdsmCursor<typename Tr::PTile>(dst_smem, (lane_q / 16) * 8 + lane_q % 8, (lane_q / 8) % 2)
+                                   .template shifted<4>(dq_row0 / 8);  // 32 rows = 4 chunks of dS^T columns
+        const LdsmCursor<typename Tr::KTile> k_rows(k_smem, lane_q % 16, lane_q / 16);  // trans: rows = keys
+        const auto k_as_b = kFoldDqCols ? k_rows.template shifted<kFoldDqCols ? Tr::kDqTiles : 1>(dq_tile0) : k_rows;
+        const int dq_chunk0 = kFoldDqCols ? 0 : dq_tile0;
 #pragma unroll
         for (int t0 = 0; t0 < Tr::kDqTiles; t0 += kDqChunk) {
             float acc_dq[2][kDqChunk][4];
             zero_acc(acc_dq);
-            gemm_atb<T, 2, kDqChunk, kBlockN / 16>(acc_dq, dst_as_at, dq_row0 / 8, k_as_b, dq_tile0 + t0);
+            gemm_atb<T, 2, kDqChunk, kBlockN / 16>(acc_dq, dst_as_at, 0, k_as_b, dq_chunk0 + t0);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < kDqChunk; ++nt)
-                    dq_stage.store_fragment(dq_buf, dq_row0 + mt * 16 + lane / 4, (dq_tile0 + t0 + nt) * 8 + (lane % 4) * 2,
+                    dq_stage.store_fragment(dq_buf, dq_row0 + mt * 16 + lane_q / 4, (dq_tile0 + t0 + nt) * 8 + (lane_q % 4) * 2,
                                             acc_dq[mt][nt]);
         }
         dq_stage.order_stores_before_bulk();  // sent after the next barrier

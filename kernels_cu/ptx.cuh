@@ -43,6 +43,18 @@ CF_DEVICE void ldmatrix_x4_trans(u32 addr, u32 (&r)[4]) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// ---- stmatrix (sm_90): the inverse of ldmatrix_x4 -----------------------------------------------
+// Register i of every lane holds its pair of matrix i in the MMA fragment layout (row lane / 4,
+// columns 2 (lane % 4), +1); lane i supplies the row address for matrix i / 8, as for ldmatrix.
+// One instruction stores what takes four 32-bit stores, with addresses an LdsmCursor provides.
+// Lanes store rows other lanes address: order them before another lane's reads (__syncwarp).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+CF_DEVICE void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+#endif
+
 // ---- fast math ---------------------------------------------------------------------------------
 CF_DEVICE float fast_exp2(float x) {
     float y;

@@ -42,6 +42,19 @@ struct LdsmCursor {
         return row_addr + panel * Tile::kPanelBytes + row_offset * Tile::kRowBytes +
                (((chunk_even % Tile::kChunksPerRow) ^ lane_xor) << 4);
     }
+    // The same cursor with its columns starting `chunks` chunks further right, for at() calls whose
+    // chunk_even stays below kSpan. `chunks` (known only at run time, say a warp's column offset) is
+    // a multiple of kSpan, a power of two, so adding it never carries into the bits of chunk_even:
+    // its panel folds into the row address and its remainder into the lane's xor, and at() keeps
+    // compile-time offsets instead of computing a panel per call.
+    template <int kSpan>
+    CF_DEVICE LdsmCursor shifted(int chunks) const {
+        static_assert(kSpan > 0 && (kSpan & (kSpan - 1)) == 0, "kSpan must be a power of two");
+        LdsmCursor moved = *this;
+        moved.row_addr += (chunks / Tile::kChunksPerRow) * Tile::kPanelBytes;
+        moved.lane_xor ^= chunks % Tile::kChunksPerRow;
+        return moved;
+    }
 };
 
 // Asynchronous global -> shared copier for kRows x kCols tiles, as one thread sees it.

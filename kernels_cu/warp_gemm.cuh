@@ -56,6 +56,16 @@ CF_DEVICE void acc_to_a_frag(u32 (&a)[4], const float (&c)[KT][4], int ks) {
     a[3] = T::pack(c[2 * ks + 1][2], c[2 * ks + 1][3]);
 }
 
+// Two adjacent 8-column accumulator tiles as the four registers of stmatrix_x4 / ldmatrix_x4 (the
+// LdsmCursor "A" addressing): rows 0-7 and 8-15 of the first tile, then of the second.
+struct FragPair {
+    u32 r[4];
+};
+template <class T>
+CF_DEVICE FragPair pack_tile_pair(const float (&c0)[4], const float (&c1)[4]) {
+    return {{T::pack(c0[0], c0[1]), T::pack(c0[2], c0[3]), T::pack(c1[0], c1[1]), T::pack(c1[2], c1[3])}};
+}
+
 // One k-step of acc[MT][NT] += A * B for A fragments in registers and B (16 x NT*8, row-major in
 // smem, rows from 16 * ks, columns from chunk b_chunk0) read with ldmatrix.trans.
 template <class T, int MT, int NT, class BTile>

@@ -1,8 +1,9 @@
 """A/B of the forward kernels against an older copy of kernels_cu/, same process, interleaved.
 
-Usage: python tests/ab_forward.py OLD_KERNELS_DIR [--head-dims 64,128,256] [--seqlen 4096] [--rounds 3]
-Each default tile is compiled from both source trees and timed alternately (new, old, new, ...),
-so clock drift hits both sides alike; prints kernel-only TFLOP/s and the new / old ratio.
+Usage: python tests/ab_forward.py OLD_KERNELS_DIR[,OTHER_DIR...] [--head-dims 64,128,256] [--seqlen 4096] [--rounds 3]
+Each default tile is compiled from this tree and from every listed source tree and timed in turn
+(new, old, other, new, ...), so clock drift hits every side alike; prints kernel-only TFLOP/s and
+each tree's figure over the first old tree's.
 """
 
 import argparse
@@ -63,22 +64,27 @@ def problems(args, n_inputs):
 
 
 def compare(args, device, configs, run, flops, label_width=40):
-    """Times `run` with the kernels of `configs` compiled from this tree ("new") and from
-    args.old_dir ("old"), alternately for args.rounds rounds; prints the median TFLOP/s of each."""
-    kernels = {"new": [compiler.get_kernel(c, device) for c in configs],
-               "old": [kernel_from(pathlib.Path(args.old_dir), c) for c in configs]}
-    results = {"new": [], "old": []}
+    """Times `run` with the kernels of `configs` compiled from this tree ("new") and from each
+    directory of args.old_dir (comma-separated; the first is "old"), in turn for args.rounds rounds;
+    prints the median TFLOP/s of each and its ratio to the old tree's."""
+    old_dirs = args.old_dir.split(",")
+    names = ["new", "old"] + [pathlib.Path(d).name for d in old_dirs[1:]]
+    kernels = {"new": [compiler.get_kernel(c, device) for c in configs]}
+    for name, folder in zip(names[1:], old_dirs):
+        kernels[name] = [kernel_from(pathlib.Path(folder), c) for c in configs]
+    results = {name: [] for name in names}
     for _ in range(args.rounds):
-        for name in ("new", "old"):
+        for name in names:
             for config, kernel in zip(configs, kernels[name]):
                 compiler._loaded[(device, config)] = kernel
             results[name].append(flops / bench.time_cuda_ms(run) / 1e9)
     for config, kernel in zip(configs, kernels["new"]):
         compiler._loaded[(device, config)] = kernel
-    new, old = statistics.median(results["new"]), statistics.median(results["old"])
-    print(f"{configs[-1].short_id():{label_width}s} new {new:6.1f} old {old:6.1f} new/old {new / old:.3f}  "
-          f"rounds new {[round(x) for x in results['new']]} old {[round(x) for x in results['old']]}",
-          flush=True)
+    medians = {name: statistics.median(results[name]) for name in names}
+    parts = [f"{name} {medians[name]:6.1f}" for name in names]
+    ratios = [f"{name}/old {medians[name] / medians['old']:.3f}" for name in names if name != "old"]
+    print(f"{configs[-1].short_id():{label_width}s} {' '.join(parts)}  {' '.join(ratios)}  rounds "
+          + " ".join(f"{name} {[round(x) for x in results[name]]}" for name in names), flush=True)
 
 
 def main():
