@@ -91,14 +91,14 @@ class KernelConfig:
     @property
     def forward_row_sums_bytes(self) -> int:
         """Shared memory of the forward's running row sums, kept there (not in registers) by tiles
-        whose output accumulator and S take >= 160 registers per thread at head dims >= 96, with 32
-        rows per warp or when causal (FwdTraits::kTightRegisters in flash_fwd.cu)."""
+        whose output accumulator and S take >= 160 registers per thread at head dims >= 96 with 32
+        rows per warp (FwdTraits::kSumsInSmem in flash_fwd.cu)."""
         if self.kernel not in (FWD, FWD_KVCACHE):
             return 0
         m_tiles = self.block_m // (16 * self.warps)
         acc_registers = m_tiles * (self.head_dim // 8 + self.block_n // 8) * 4
-        tight = self.head_dim >= 96 and acc_registers >= 160 and (m_tiles >= 2 or self.causal)
-        return self.threads * m_tiles * 2 * 4 if tight else 0
+        sums_in_smem = self.head_dim >= 96 and acc_registers >= 160 and m_tiles >= 2
+        return self.threads * m_tiles * 2 * 4 if sums_in_smem else 0
 
     def template_name(self) -> str:
         """The C++ name expression NVRTC instantiates and CuPy looks up."""

@@ -27,18 +27,20 @@ struct FwdTraits {
     // Tiles whose output accumulator and S take >= 160 of the 255 registers per thread at head dims
     // >= 96, with 32 rows per warp (4 warps x 32 rows with 64-key blocks at head dims 96 and 128)
     // or in causal kernels, whose mask state needs a few more (8 warps x 16 rows with 64-key
-    // blocks at head dim 256), are "tight": they keep their running row sums (touched once per key
-    // block) in shared memory, run the masked key blocks in a loop of their own and recompute the
-    // epilogue's addresses after the loop (flash_fwd_body). With 32 rows per warp that is not
-    // enough: those tiles also rebuild the ldmatrix addresses in every key block and load K/V
-    // through a LeanTileLoader, at the cost of a few integer instructions per block. Otherwise the
-    // compiler keeps all these values live through the key loop and spills. Each measure costs
-    // some speed where it is not needed (BENCHMARKS.md, performance log item 16), hence the
-    // thresholds. KernelConfig.forward_row_sums_bytes (cuflash2/config.py) mirrors this rule.
+    // blocks at head dim 256), are "tight": they run the masked key blocks in a loop of their own
+    // and recompute the epilogue's addresses after the loop (flash_fwd_body). With 32 rows per warp
+    // that is not enough: those tiles also keep their running row sums (touched once per key block)
+    // in shared memory, rebuild the ldmatrix addresses in every key block and load K/V through a
+    // LeanTileLoader, at the cost of a few integer instructions per block. Otherwise the compiler
+    // keeps all these values live through the key loop and spills. Each measure costs some speed
+    // where it is not needed (BENCHMARKS.md, performance log items 16 and 27: the causal head-dim-256
+    // tile measured 1.06x with its row sums back in registers), hence the thresholds.
+    // KernelConfig.forward_row_sums_bytes (cuflash2/config.py) mirrors kSumsInSmem.
     static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;
     static constexpr bool kTightRegisters = kDTiles >= 12 && kAccRegisters >= 160 && (kMTiles >= 2 || kCausal);
     static constexpr bool kRebuildAddresses = kTightRegisters && kMTiles >= 2;
-    static constexpr int kSumsBytes = kTightRegisters ? kThreads * kMTiles * 2 * 4 : 0;
+    static constexpr bool kSumsInSmem = kTightRegisters && kMTiles >= 2;
+    static constexpr int kSumsBytes = kSumsInSmem ? kThreads * kMTiles * 2 * 4 : 0;
     static constexpr int kSmemBytes = QTile::kBytes + kStages * KVTile::kBytes + kSumsBytes;
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row tiles");
     static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
@@ -209,7 +211,7 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
     OnlineSoftmax<Tr::kMTiles, Tr::kNTiles> softmax;
     softmax.init();
     float* row_sums = row_sums_of<Tr>(smem, tid);
-    if (Tr::kTightRegisters) softmax.template store_sums<Tr::kThreads>(row_sums);
+    if (Tr::kSumsInSmem) softmax.template store_sums<Tr::kThreads>(row_sums);
 
     // Tile t of the K/V stream: K of key block n_end-1-t/2 when t is even, V of it when odd.
     // kRebuildAddresses tiles load K and V through a LeanTileLoader (no 64-bit row offsets kept live).
@@ -272,10 +274,12 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
 
             const int row0 = m_block * kBlockM + warp_row0, col0 = n_block * kBlockN;
             if (kVariant && mod.active) apply_score_mod<Tr>(s, mod, row0, col0, lane);
-            if (masked) apply_mask<Tr>(s, mask, row0, col0, lane);
-            if (Tr::kTightRegisters) softmax.template load_sums<Tr::kThreads>(row_sums);
+            // (Masked blocks of the split loop derive their lane offsets anew: kept live from the
+            // prologue, they spilled at head dim 256.)
+            if (masked) apply_mask<Tr>(s, mask, row0, col0, Tr::kTightRegisters ? opaque_int(lane) : lane);
+            if (Tr::kSumsInSmem) softmax.template load_sums<Tr::kThreads>(row_sums);
             softmax.update(s, acc_o, scale_log2);
-            if (Tr::kTightRegisters) softmax.template store_sums<Tr::kThreads>(row_sums);
+            if (Tr::kSumsInSmem) softmax.template store_sums<Tr::kThreads>(row_sums);
             if (kVariant && !kKvCache && drop.active()) apply_dropout<Tr>(s, drop, batch * gridDim.y + head, row0, col0, lane);
             const int lane_v = Tr::kRebuildAddresses ? opaque_int(lane) : lane;
             const LdsmCursor<typename Tr::KVTile> v_cur(kv_smem + ((t + 1) % kStages) * Tr::KVTile::kBytes,
@@ -310,7 +314,7 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
         u16* o_blk = o + batch * o_batch_stride + head * o_head_stride + ((i64)seq.q_start + m_block * kBlockM) * o_row_stride;
         float* lse_blk = lse + seq.lse_offset(head) + m_block * kBlockM;
         float inv_sum[Tr::kMTiles][2], row_lse[Tr::kMTiles][2];
-        if (Tr::kTightRegisters) softmax.template load_sums<Tr::kThreads>(row_sums_of<Tr>(smem, tid_out));
+        if (Tr::kSumsInSmem) softmax.template load_sums<Tr::kThreads>(row_sums_of<Tr>(smem, tid_out));
         softmax.finalize(inv_sum, row_lse, scale_log2);
         if (kVariant && !kKvCache && drop.active()) {
 #pragma unroll

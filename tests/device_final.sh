@@ -3,6 +3,8 @@
 #   PART=suite     the GPU suite (compile everything, every GPU test), the decode benchmark against
 #                  torch's backends, the host cost of a decoding step
 #   PART=sanitize  compute-sanitizer over every kernel family, then the decode benchmark once more
+#   PART=grid      FA2's grid (forward and backward, GRID_DIMS / GRID_SEQLENS) next to torch's flash
+#                  and cuDNN backends, then compute-sanitizer over every kernel family (no decoding)
 # Logs under $OUT.
 set -u
 OUT=${OUT:-gpu-logs}
@@ -12,6 +14,12 @@ if [[ "${PART:-suite}" == suite ]]; then
     SKIP_BENCH=1 OUT=$OUT bash tests/gpu_suite.sh > "$OUT/suite.out" 2>&1
     tail -4 "$OUT/suite.out"
     grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20
+elif [[ "${PART}" == grid ]]; then
+    python tests/bench_kernels.py --modes fwd,bwd --head-dims "${GRID_DIMS:-64,128,256}" \
+        --seqlens "${GRID_SEQLENS:-1024,4096,16384}" --json "$OUT/grid.json" > "$OUT/grid.log" 2>&1
+    grep -A60 "^mode" "$OUT/grid.log"
+    OUT=$OUT bash tests/sanitize.sh
+    exit 0
 else
     OUT=$OUT bash tests/sanitize.sh
 fi
