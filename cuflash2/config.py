@@ -146,10 +146,18 @@ class KernelConfig:
 
     @property
     def dq_row_pad_floats(self) -> int:
-        """Floats of padding after each staged row of fp32 dQ: the fused kernel pads its rows by 16
-        bytes instead of swizzling columns, so that its staging stores avoid bank conflicts without
-        spending registers (FusedBwdTraits::kDqPadBytes, dq_staging.cuh)."""
-        return 4 if self.kernel == BWD_FUSED else 0
+        """Floats of padding after each staged row of fp32 dQ: the fused kernel pads its rows instead
+        of swizzling columns, so that its staging stores avoid bank conflicts without spending
+        registers: 32 bytes (conflict-free), or 16 (2-way) where 32 would cost it its own two dQ
+        buffers (FusedBwdTraits::kDqPadBytes, dq_staging.cuh)."""
+        if self.kernel != BWD_FUSED:
+            return 0
+        d, m, n = self.head_dim, self.block_m, self.block_n
+        stage, fixed = 2 * m * d * 2 + 2 * m * 4, 2 * n * d * 2 + 2 * n * m * 2
+
+        def fits_own_buffers(pad_floats: int) -> bool:
+            return fixed + 2 * stage + 2 * m * (d + pad_floats) * 4 <= SMEM_LIMIT_BYTES[90]
+        return 4 if fits_own_buffers(4) and not fits_own_buffers(8) else 8
 
     def dq_row_pitch(self, head_dim: int) -> int:
         """Floats per row of the fp32 dQ accumulator this kernel fills for a call with `head_dim`

@@ -35,10 +35,19 @@ struct FusedBwdTraits {
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using PTile = SwizzledTile<kBlockN, kBlockM>;   // P^T and dS^T
-    // dQ staging without bank conflicts (dq_staging.cuh): 16 bytes of padding per row, a compile-time
-    // pitch of the kernel's width; the host allocates the accumulator alike (KernelConfig.dq_row_pitch).
+    // dQ staging without bank conflicts (dq_staging.cuh): padding after each row, a compile-time pitch
+    // of the kernel's width; the host allocates the accumulator alike (KernelConfig.dq_row_pitch).
+    // A fragment store (st.shared.v2: 4 rows of 32 bytes per half-warp) is conflict-free when rows
+    // start 8 banks apart, i.e. 32 bytes of padding; 16 bytes leave it 2-way (4 wavefronts instead of
+    // 2, ncu: 25% of the d64 kernel's shared-store wavefronts). Where 32 bytes would cost the kernel
+    // its own two dQ buffers (d128: 2 KB short), it keeps 16.
     // (The column swizzle costs registers: from head dim 128 up, and with 128-row query blocks, it spills.)
-    static constexpr int kDqPadBytes = 16;
+    static constexpr int kPlainStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
+    static constexpr int kFixedBytes = 2 * KTile::kBytes + 2 * PTile::kBytes;     // K, V, P^T, dS^T
+    static constexpr int kSmemLimit = 227 * 1024;  // sm_90's per-block opt-in maximum (d128 uses all of it)
+    static constexpr int kOwnDqBuffersBase = kFixedBytes + 2 * kPlainStageBytes + 2 * kBlockM * kHeadDim * 4;
+    static constexpr int kDqPadBytes =
+        kOwnDqBuffersBase + 2 * kBlockM * 16 <= kSmemLimit && kOwnDqBuffersBase + 2 * kBlockM * 32 > kSmemLimit ? 16 : 32;
     static constexpr int kDqRowBytes = kHeadDim * 4 + kDqPadBytes;
     // Two fp32 dQ buffers of their own do not always fit next to K, V, two Q/dO stages and P^T / dS^T
     // (d256: 64 + 129 + 16 + 130 KB; d64 with 128-row blocks: 32 + 66 + 64 + 68 KB). Then dQ is
@@ -46,9 +55,6 @@ struct FusedBwdTraits {
     // Q row and a dO row, the padding a little more), and the next query block loads once the copy
     // engine has read that stage out (see the loop). (One buffer of its own where that fits, d64 and
     // d192, with the next block's load at the top of the iteration, measured 5-6% slower: log item 26.)
-    static constexpr int kPlainStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
-    static constexpr int kFixedBytes = 2 * KTile::kBytes + 2 * PTile::kBytes;     // K, V, P^T, dS^T
-    static constexpr int kSmemLimit = 227 * 1024;  // sm_90's per-block opt-in maximum (d128 uses all of it)
     static constexpr bool kDqInStage = kFixedBytes + 2 * kPlainStageBytes + 2 * kBlockM * kDqRowBytes > kSmemLimit;
     static constexpr int kQStageBytes = cmax(kPlainStageBytes, kDqInStage ? kBlockM * kDqRowBytes : 0);
     using DqStage = DqStaging<kBlockM, kHeadDim, false, kDqPadBytes,

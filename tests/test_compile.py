@@ -113,7 +113,8 @@ def test_fused_backward_shared_memory_matches_the_kernel_traits():
     # also the 64-row tile at head dim 64 (tuning: backward_plan(tile=...)), whose dQ has buffers of
     # its own (the default 128-row tile stages dQ in-stage)
     c = cfg.backward_plan(64, "bf16", True, 90, tile=(64, 8, 2), fused=True).main[0]
-    tiles[f"FusedBwdTraits<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}>"] = (c.smem_bytes, 16, c.short_id())
+    tiles[f"FusedBwdTraits<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}>"] = (c.smem_bytes, c.dq_row_pad_floats * 4,
+                                                                            c.short_id())
     asserts = [f'static_assert({t}::kSmemBytes == {smem} && {t}::kDqPadBytes == {pad} && '
                f'{t}::kDqRowBytes == {t.split("<")[1].split(",")[0]} * 4 + {pad}, "{name}");'
                for t, (smem, pad, name) in tiles.items()]

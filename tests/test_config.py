@@ -363,10 +363,10 @@ def test_fused_backward_above_128_uses_64_key_blocks_and_stages_dq_over_q(head_d
     instead of buffers of its own (FusedBwdTraits::kDqInStage): that is what makes d256 fit."""
     c = config.backward_plan(head_dim, "bf16", True, 90, fused=True).main[0]
     assert (c.kernel, c.head_dim, c.block_m, c.block_n, c.warps) == (config.BWD_FUSED, width, 64, 64, 8)
-    stage = max(2 * 64 * width * 2 + 2 * 64 * 4, 64 * (width * 4 + 16))  # Q, dO, LSE, D or padded fp32 dQ rows
+    stage = max(2 * 64 * width * 2 + 2 * 64 * 4, 64 * (width * 4 + 32))  # Q, dO, LSE, D or padded fp32 dQ rows
     assert c.smem_bytes == 2 * 64 * width * 2 + 2 * stage + 2 * 64 * 64 * 2
     assert c.smem_bytes <= smem_limit(90)
-    assert c.dq_column_swizzle(head_dim) == 0 and c.dq_row_pad_floats == 4  # padded, not swizzled
+    assert c.dq_column_swizzle(head_dim) == 0 and c.dq_row_pad_floats == 8  # padded, not swizzled
     assert not any(c.kernel == config.BWD_FUSED for c in config.all_backward_configs(80))
 
 
@@ -395,16 +395,18 @@ def test_kvcache_tile_for_decoding_rows():
 
 
 def test_forward_row_sums_in_shared_memory_only_for_tight_tiles():
-    """Tiles whose accumulators take >= 160 registers at head dim >= 96, with 32 rows per warp or
-    causal, keep their running row sums in shared memory (FwdTraits::kTightRegisters); the launch
-    must reserve it, the other tiles need none."""
+    """Tiles whose accumulators take >= 160 registers at head dim >= 96 with 32 rows per warp keep
+    their running row sums in shared memory (FwdTraits::kSumsInSmem); the launch must reserve it,
+    the other tiles need none (the causal 16-row-per-warp tile at head dim 256 is tight too, but
+    keeps its sums in registers)."""
     tight = forward_config(128, "bf16", False, 90)
     assert (tight.block_m, tight.block_n, tight.warps) == (128, 64, 4)
     assert tight.forward_row_sums_bytes == 128 * 2 * 2 * 4  # threads x 2 row tiles x 2 rows x fp32
     assert tight.smem_bytes == 128 * 128 * 2 + 2 * 64 * 128 * 2 + 2048
     wide = forward_config(256, "bf16", True, 90)  # 8 warps x 16 rows, 64 keys: 128 + 32 registers
-    assert (wide.block_n, wide.warps, wide.forward_row_sums_bytes) == (64, 8, 256 * 2 * 4)
-    assert forward_config(256, "bf16", False, 90).forward_row_sums_bytes == 0  # tight only when causal
+    assert (wide.block_n, wide.warps, wide.forward_row_sums_bytes) == (64, 8, 0)
+    assert wide.smem_bytes == 128 * 256 * 2 + 2 * 64 * 256 * 2
+    assert forward_config(256, "bf16", False, 90).forward_row_sums_bytes == 0
     d96 = forward_config(96, "bf16", False, 90)  # 4 warps x 32 rows, 64 keys: 2 x (12 + 8) x 4 = 160
     assert (d96.block_n, d96.warps, d96.forward_row_sums_bytes) == (64, 4, 2048)
     assert forward_config(96, "bf16", False, 90, variant=True).block_n == 32  # the 64-key variant build spills

@@ -113,26 +113,29 @@ def test_dq_accumulator_swizzle_permutes_within_rows_and_spreads_banks(head_dim)
 
 @pytest.mark.parametrize("head_dim", [40, 64, 104, 120, 128, 160, 192, 200, 256])
 def test_fused_dq_rows_padded_instead_of_swizzled_spread_banks(head_dim):
-    """The fused kernel pads each staged dQ row (and accumulator row) by 16 bytes instead of
-    permuting columns: a warp's fragment store (8 rows x 4 lanes x 2 floats) must
-    then still take the minimum of 2 wavefronts, i.e. no 8-byte bank pair serves more than 2 lanes."""
+    """The fused kernel pads each staged dQ row (and accumulator row) instead of permuting columns.
+    A warp's fragment store (8 rows x 4 lanes x 2 floats, st.shared.v2) is served per half-warp
+    (rows lane // 4 of lanes 0-15, then 16-31): with 32 bytes of padding the 4 rows of a half-warp
+    start 8 banks apart and each half takes one wavefront; the head-dim-128 build keeps 16 bytes
+    (2-way) because 32 would not leave room for its two dQ buffers."""
     fused = config.backward_plan(head_dim, "bf16", False, 90).main[0]
     assert fused.kernel == config.BWD_FUSED and fused.dq_column_swizzle(head_dim) == 0
     pitch = fused.dq_row_pitch(head_dim)  # fp32 words per staged row: the kernel's width, padded
-    assert pitch == fused.head_dim + 4
-    assert fused.dq_row_pad_floats == 4 and (pitch * 4) % 16 == 0  # bulk copies move 16-byte units
+    pad = fused.dq_row_pad_floats
+    assert pitch == fused.head_dim + pad and (pitch * 4) % 16 == 0  # bulk copies move 16-byte units
+    assert pad == (4 if fused.head_dim == 128 else 8)
+    assert fused.smem_bytes <= config.smem_limit(90)
     for first_col in range(0, head_dim, 8):
-        banks = [((row * pitch + first_col + 2 * (lane % 4)) % 32) // 2 for lane in range(32) for row in [lane // 4]]
-        assert max(banks.count(b) for b in set(banks)) == 2
-    unpadded = [((row * head_dim + 2 * (lane % 4)) % 32) // 2 for lane in range(32) for row in [lane // 4]]
-    assert head_dim % 32 or max(unpadded.count(b) for b in set(unpadded)) == 8  # what the padding avoids
+        for half in (range(16), range(16, 32)):
+            banks = [(lane // 4 * pitch + first_col + 2 * (lane % 4) + word) % 32 for lane in half for word in (0, 1)]
+            assert max(banks.count(b) for b in set(banks)) == (1 if pad == 8 else 2)
 
 
 def test_only_the_atomic_dq_main_kernel_swizzles_the_dq_accumulator():
     assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_column_swizzle(64) == 24
     assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_row_pitch(60) == 60
     assert config.backward_plan(64, "bf16", False, 90).main[0].dq_column_swizzle(64) == 0  # fused: padded
-    assert config.backward_plan(64, "bf16", False, 90).main[0].dq_row_pitch(60) == 68
+    assert config.backward_plan(64, "bf16", False, 90).main[0].dq_row_pitch(60) == 72
     assert config.backward_plan(64, "bf16", False, 90, deterministic=True).main[0].dq_column_swizzle(64) == 0
 
 
