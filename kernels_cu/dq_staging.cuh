@@ -16,10 +16,11 @@ CF_DEVICE int dq_swizzled_col(int row, int col, int mask) { return col ^ (mask &
 // warp store instead of 2). Two cures, both mirrored by the host (cuflash2/config.py):
 //   kSwizzle: permute columns as swizzled_col says (KernelConfig.dq_column_swizzle, undone by the
 //     convert kernel). Costs registers: a store's offset is no longer an immediate.
-//   kPadBytes: 16 bytes after each row, in shared memory and in the global accumulator alike
-//     (KernelConfig.dq_row_pitch; the convert kernel reads rows by their stride). Each row then
-//     starts 4 banks after the previous one, so a fragment store takes 2 wavefronts; with a
-//     compile-time row_bytes the offsets stay immediates. It costs 16 bytes of shared memory per row.
+//   kPadBytes: bytes after each row, in shared memory and in the global accumulator alike
+//     (KernelConfig.dq_row_pitch; the convert kernel reads rows by their stride); with a
+//     compile-time row_bytes the offsets stay immediates. A 64-bit store is served per half-warp
+//     (4 rows x 32 bytes): with 32 bytes of padding those rows start 8 banks apart and the store
+//     takes the minimum 2 wavefronts; with 16 bytes they start 4 banks apart and it takes 4.
 // kBufferStride: bytes from one buffer to the other; by default they are adjacent (kBytes in all),
 // but a kernel short of shared memory can stage dQ over memory of its own that is free by then
 // (flash_bwd_fused.cu).
