@@ -80,9 +80,8 @@ class KernelConfig:
         if self.kernel == BWD_DQ:
             return 2 * m * d * 2 + 2 * n * d * 2
         if self.kernel == BWD_FUSED:  # K, V; 2 stages of Q, dO, LSE, D; P^T, dS^T; 2 fp32 dQ buffers
+            fixed, stage = self._fused_fixed_and_stage_bytes()
             dq_buffer = m * (d + self.dq_row_pad_floats) * 4
-            stage = 2 * m * d * 2 + 2 * m * 4
-            fixed = 2 * n * d * 2 + 2 * n * m * 2
             if fixed + 2 * stage + 2 * dq_buffer > SMEM_LIMIT_BYTES[90]:  # FusedBwdTraits::kDqInStage:
                 return fixed + 2 * max(stage, dq_buffer)  # dQ staged over a consumed Q/dO stage
             return fixed + 2 * stage + 2 * dq_buffer
@@ -152,12 +151,17 @@ class KernelConfig:
         buffers (FusedBwdTraits::kDqPadBytes, dq_staging.cuh)."""
         if self.kernel != BWD_FUSED:
             return 0
-        d, m, n = self.head_dim, self.block_m, self.block_n
-        stage, fixed = 2 * m * d * 2 + 2 * m * 4, 2 * n * d * 2 + 2 * n * m * 2
+        fixed, stage = self._fused_fixed_and_stage_bytes()
 
         def fits_own_buffers(pad_floats: int) -> bool:
-            return fixed + 2 * stage + 2 * m * (d + pad_floats) * 4 <= SMEM_LIMIT_BYTES[90]
+            return fixed + 2 * stage + 2 * self.block_m * (self.head_dim + pad_floats) * 4 <= SMEM_LIMIT_BYTES[90]
         return 4 if fits_own_buffers(4) and not fits_own_buffers(8) else 8
+
+    def _fused_fixed_and_stage_bytes(self) -> tuple[int, int]:
+        """The fused backward's shared memory besides dQ staging (FusedBwdTraits::kFixedBytes: K, V,
+        P^T, dS^T) and one Q/dO stage with its LSE and D rows (kPlainStageBytes)."""
+        d, m, n = self.head_dim, self.block_m, self.block_n
+        return 2 * n * d * 2 + 2 * n * m * 2, 2 * m * d * 2 + 2 * m * 4
 
     def dq_row_pitch(self, head_dim: int) -> int:
         """Floats per row of the fp32 dQ accumulator this kernel fills for a call with `head_dim`

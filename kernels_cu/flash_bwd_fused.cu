@@ -139,14 +139,11 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     // stmatrix / ldmatrix: pt_frag.at(mt * 16, 2 * np) is tile pair (2 np, 2 np + 1) of row tile mt.
     const auto pt_frag = pt_as_a.template shifted<Tr::kSTiles>(warp_query0 / 8);
     const auto dst_frag = dst_as_a.template shifted<Tr::kSTiles>(warp_query0 / 8);
-    // Q / dO read as B for dV and dK, from this warp's first column: folded into the cursor where the
-    // column tiles of a warp come in a power of two (not at head dim 192).
-    constexpr bool kFoldDkvCols = (Tr::kDTiles & (Tr::kDTiles - 1)) == 0;
+    // Q / dO read as B for dV and dK, from this warp's first column.
     auto dkv_b_operand = [&](u32 tile) {
-        const LdsmCursor<typename Tr::QTile> cursor(tile, lane % 16, lane / 16);
-        return kFoldDkvCols ? cursor.template shifted<kFoldDkvCols ? Tr::kDTiles : 1>(col_group * Tr::kDTiles) : cursor;
+        return offset_columns<Tr::kDTiles>(LdsmCursor<typename Tr::QTile>(tile, lane % 16, lane / 16),
+                                           col_group * Tr::kDTiles);
     };
-    const int dkv_chunk0 = kFoldDkvCols ? 0 : col_group * Tr::kDTiles;
 
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
         const int it = m_block - m_begin;
@@ -222,8 +219,9 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         __syncthreads();  // P^T and dS^T complete
         if (Tr::kDqInStage) load_query_block(m_block + 1);  // lands while dV, dK and dQ are computed
 
-        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dv, pt_as_a, dkv_b_operand(do_smem), dkv_chunk0);  // dV += P^T dO
-        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dk, dst_as_a, dkv_b_operand(q_smem), dkv_chunk0);   // dK += dS^T Q
+        const auto do_as_b = dkv_b_operand(do_smem), q_as_b = dkv_b_operand(q_smem);
+        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dv, pt_as_a, do_as_b.cursor, do_as_b.chunk0);  // dV += P^T dO
+        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dk, dst_as_a, q_as_b.cursor, q_as_b.chunk0);    // dK += dS^T Q
         if (Tr::kDqInStage) __syncthreads();  // every warp is done with this stage's Q and dO: dQ goes there
         // dQ = dS K for rows [dq_row0, +32) of this query block, kDqChunk 8-column tiles at a time
         // (few live registers next to the dK / dV accumulators).
@@ -234,17 +232,15 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         const int lane_q = opaque_int(threadIdx.x) % 32, warp_q = opaque_int(threadIdx.x) / 32;
         const int dq_row0 = (warp_q % Tr::kDqRowGroups) * 32;  // first row and column tile
         const int dq_tile0 = (warp_q / Tr::kDqRowGroups) * Tr::kDqTiles;
-        constexpr bool kFoldDqCols = (Tr::kDqTiles & (Tr::kDqTiles - 1)) == 0;
         const auto dst_as_at = LdsmCursor<typename Tr::PTile>(dst_smem, (lane_q / 16) * 8 + lane_q % 8, (lane_q / 8) % 2)
                                    .template shifted<4>(dq_row0 / 8);  // 32 rows = 4 chunks of dS^T columns
-        const LdsmCursor<typename Tr::KTile> k_rows(k_smem, lane_q % 16, lane_q / 16);  // trans: rows = keys
-        const auto k_as_b = kFoldDqCols ? k_rows.template shifted<kFoldDqCols ? Tr::kDqTiles : 1>(dq_tile0) : k_rows;
-        const int dq_chunk0 = kFoldDqCols ? 0 : dq_tile0;
+        const auto k_as_b = offset_columns<Tr::kDqTiles>(  // trans: rows = keys
+            LdsmCursor<typename Tr::KTile>(k_smem, lane_q % 16, lane_q / 16), dq_tile0);
 #pragma unroll
         for (int t0 = 0; t0 < Tr::kDqTiles; t0 += kDqChunk) {
             float acc_dq[2][kDqChunk][4];
             zero_acc(acc_dq);
-            gemm_atb<T, 2, kDqChunk, kBlockN / 16>(acc_dq, dst_as_at, 0, k_as_b, dq_chunk0 + t0);
+            gemm_atb<T, 2, kDqChunk, kBlockN / 16>(acc_dq, dst_as_at, 0, k_as_b.cursor, k_as_b.chunk0 + t0);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll

@@ -57,6 +57,23 @@ struct LdsmCursor {
     }
 };
 
+// A cursor for at() calls spanning kTiles chunks from a runtime column offset `chunks` (a multiple
+// of kTiles): folded into the cursor (LdsmCursor::shifted) when kTiles is a power of two, so that
+// at() keeps compile-time offsets; otherwise left to the caller, who adds chunk0 to every at().
+template <class Tile>
+struct OffsetCursor {
+    LdsmCursor<Tile> cursor;
+    int chunk0;
+};
+template <int kTiles, class Tile>
+CF_DEVICE OffsetCursor<Tile> offset_columns(const LdsmCursor<Tile>& cursor, int chunks) {
+    if constexpr ((kTiles & (kTiles - 1)) == 0) {
+        return {cursor.template shifted<kTiles>(chunks), 0};
+    } else {
+        return {cursor, chunks};
+    }
+}
+
 // Asynchronous global -> shared copier for kRows x kCols tiles, as one thread sees it.
 // Threads are laid out over one panel (kChunksPerRow chunks wide, kThreads / kChunksPerRow rows tall)
 // and step down the rows and across the panels. A thread's chunk column never changes, and its row

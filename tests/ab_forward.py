@@ -68,7 +68,7 @@ def compare(args, device, configs, run, flops, label_width=40):
     directory of args.old_dir (comma-separated; the first is "old"), in turn for args.rounds rounds;
     prints the median TFLOP/s of each and its ratio to the old tree's."""
     old_dirs = args.old_dir.split(",")
-    names = ["new", "old"] + [pathlib.Path(d).name for d in old_dirs[1:]]
+    names = ["new", "old"] + old_dirs[1:]  # the other trees go by their paths (unique, unlike base names)
     kernels = {"new": [compiler.get_kernel(c, device) for c in configs]}
     for name, folder in zip(names[1:], old_dirs):
         kernels[name] = [kernel_from(pathlib.Path(folder), c) for c in configs]
