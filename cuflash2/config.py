@@ -157,6 +157,14 @@ class KernelConfig:
             return fixed + 2 * stage + 2 * self.block_m * (self.head_dim + pad_floats) * 4 <= SMEM_LIMIT_BYTES[90]
         return 4 if fits_own_buffers(4) and not fits_own_buffers(8) else 8
 
+    @property
+    def dq_row_interleave(self) -> bool:
+        """Whether the fp32 dQ accumulator this kernel fills holds the rows of each group of 8
+        interleaved (row r at 2 (r % 4) + r / 4; dq_staged_row, kernels_cu/dq_staging.cuh), which the
+        convert kernel undoes: the fused kernel's 16-byte row padding alone leaves its staging stores
+        2-way conflicted, the interleave spreads them over all banks (FusedBwdTraits::kDqRowInterleave)."""
+        return self.kernel == BWD_FUSED and self.dq_row_pad_floats == 4
+
     def _fused_fixed_and_stage_bytes(self) -> tuple[int, int]:
         """The fused backward's shared memory besides dQ staging (FusedBwdTraits::kFixedBytes: K, V,
         P^T, dS^T) and one Q/dO stage with its LSE and D rows (kPlainStageBytes)."""

@@ -139,7 +139,7 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
                  *_strides3(dout), *_strides3(dq), *tail))
     else:
         _convert(plan.convert, device_id, stream, dq_acc_i, dq, b, sq, h, d, 1, scale, heads_major=True,
-                 col_swizzle=dq_producer.dq_column_swizzle(d))
+                 col_swizzle=dq_producer.dq_column_swizzle(d), row_interleave=dq_producer.dq_row_interleave)
     if gqa:
         for acc, grad in ((dk_t, dk), (dv_t, dv)):
             _convert(plan.convert, device_id, stream, acc, grad, b, sk, shape.nheads_kv, d, shape.kv_group, 1.0)
@@ -147,10 +147,11 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
 
 
 def _convert(config, device_id, stream, acc: TensorInfo, out: TensorInfo, batch, seqlen, nheads, head_dim, group,
-             scale, heads_major=False, col_swizzle=0):
+             scale, heads_major=False, col_swizzle=0, row_interleave=False):
     """out <- scale * acc summed over each group of `group` heads; acc is (b, s, h, d), or
     (b, h, s_padded, pitch) when heads_major (KernelConfig.dq_row_pitch; columns past d are not read); its
-    columns permuted by `col_swizzle` (KernelConfig.dq_column_swizzle)."""
+    columns permuted by `col_swizzle` (KernelConfig.dq_column_swizzle), its rows by `row_interleave`
+    (KernelConfig.dq_row_interleave; s_padded is a multiple of 8 then)."""
     batch_stride, row_stride, head_stride = acc.strides[:3]
     if heads_major:
         row_stride, head_stride = head_stride, row_stride
@@ -158,4 +159,4 @@ def _convert(config, device_id, stream, acc: TensorInfo, out: TensorInfo, batch,
     _launch(config, device_id, stream, (math.ceil(work / _ELEMENTWISE_THREADS), batch),
             (_ptr(acc.data_ptr), _ptr(out.data_ptr), _i64(batch_stride), _i64(row_stride), _i64(head_stride),
              *_strides3(out), _i32(seqlen), _i32(nheads), _i32(head_dim), _i32(group), _f32(scale),
-             _i32(col_swizzle)))
+             _i32(col_swizzle), _i32(int(row_interleave))))

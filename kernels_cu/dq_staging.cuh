@@ -12,6 +12,14 @@
 // staging and by flash_bwd_convert_kernel when reading the accumulator back.
 CF_DEVICE int dq_swizzled_col(int row, int col, int mask) { return col ^ (mask & ((row % 4) * 8)); }
 
+// The dQ accumulator's row permutation within each group of 8 rows where `interleave` is set: row
+// r of a group is kept at row 2 (r % 4) + r / 4. Used by DqStaging (kRowInterleave) when staging and
+// by flash_bwd_convert_kernel when reading the accumulator back. Query blocks start at multiples of
+// 8 rows, so a block's rows stay in its own range.
+CF_DEVICE int dq_staged_row(int row, bool interleave) {
+    return interleave ? (row & ~7) | (2 * (row & 3) + ((row >> 2) & 1)) : row;
+}
+
 // Unswizzled, unpadded rows put the 8 rows of a fragment store on the same banks (8 wavefronts per
 // warp store instead of 2). Two cures, both mirrored by the host (cuflash2/config.py):
 //   kSwizzle: permute columns as swizzled_col says (KernelConfig.dq_column_swizzle, undone by the
@@ -20,17 +28,20 @@ CF_DEVICE int dq_swizzled_col(int row, int col, int mask) { return col ^ (mask &
 //     (KernelConfig.dq_row_pitch; the convert kernel reads rows by their stride); with a
 //     compile-time row_bytes the offsets stay immediates. A 64-bit store is served per half-warp
 //     (4 rows x 32 bytes): with 32 bytes of padding those rows start 8 banks apart and the store
-//     takes the minimum 2 wavefronts; with 16 bytes they start 4 banks apart and it takes 4.
+//     takes the minimum 2 wavefronts; with 16 bytes they start 4 banks apart and it takes 4, unless
+//     kRowInterleave stages the 4 rows of a half-warp two rows apart (dq_staged_row): 8 banks again,
+//     at no cost in registers (a thread's rows keep one offset), undone by the convert kernel.
 // kBufferStride: bytes from one buffer to the other; by default they are adjacent (kBytes in all),
 // but a kernel short of shared memory can stage dQ over memory of its own that is free by then
 // (flash_bwd_fused.cu).
 template <int kBlockM, int kHeadDim, bool kSwizzle, int kPadBytes = 0,
-          int kBufferStride = kBlockM * (kHeadDim * 4 + kPadBytes)>
+          int kBufferStride = kBlockM * (kHeadDim * 4 + kPadBytes), bool kRowInterleave = false>
 struct DqStaging {
     static constexpr int kBufferBytes = kBlockM * (kHeadDim * 4 + kPadBytes);
     static constexpr int kBytes = 2 * kBufferBytes;
     static_assert(kBufferStride >= kBufferBytes, "the two buffers must not overlap");
     static_assert(kPadBytes % 16 == 0 && !(kSwizzle && kPadBytes), "bulk copies move 16-byte units; one cure");
+    static_assert(!kRowInterleave || kBlockM % 8 == 0, "whole groups of 8 rows");
 
     u32 base;
     int row_bytes;  // pitch of the staged rows and of the global accumulator's (head_dim * 4, or the
@@ -60,8 +71,9 @@ struct DqStaging {
     CF_DEVICE void store_fragment(u32 buf, int row, int col, const float (&frag)[4]) const {
         if (col * 4 >= row_bytes - kPadBytes) return;  // (never with the padded rows of full width)
         const int byte = swizzled_col(row, col) * 4;  // the same for row + 8
-        st_shared_f32x2(buf + row * row_bytes + byte, frag[0], frag[1]);
-        st_shared_f32x2(buf + (row + 8) * row_bytes + byte, frag[2], frag[3]);
+        const int staged = dq_staged_row(row, kRowInterleave);  // row + 8 lands 8 rows further, too
+        st_shared_f32x2(buf + staged * row_bytes + byte, frag[0], frag[1]);
+        st_shared_f32x2(buf + (staged + 8) * row_bytes + byte, frag[2], frag[3]);
     }
 
     // Adds the staged block to dq_block[0 : kBlockM * row_bytes / 4] (rows past the sequence's end

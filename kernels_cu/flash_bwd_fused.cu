@@ -32,6 +32,12 @@ struct FusedBwdTraits {
     static constexpr int kDqRowGroups = kBlockM / 32;
     static constexpr int kDqColGroups = kNWarps / kDqRowGroups;
     static constexpr int kDqTiles = kHeadDim / kDqColGroups / 8;
+    // Head dim 64: P^T stays in registers (16-bit) through the dP product, for dS^T, and masking
+    // waits until after the exponentials, so that no branch separates those from the S^T product:
+    // the compiler then overlaps the exponentials with the product's MMAs, as FA2's build does (ncu:
+    // the exponentials ran as a phase of their own while the tensor cores idled; 1.035-1.067x, log
+    // item 30). Above 64 that spills or measured slower (d128: 0.97x); there dS^T reads P^T back.
+    static constexpr bool kPInRegisters = kHeadDim <= 64;
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using PTile = SwizzledTile<kBlockN, kBlockM>;   // P^T and dS^T
@@ -40,7 +46,7 @@ struct FusedBwdTraits {
     // A fragment store (st.shared.v2: 4 rows of 32 bytes per half-warp) is conflict-free when rows
     // start 8 banks apart, i.e. 32 bytes of padding; 16 bytes leave it 2-way (4 wavefronts instead of
     // 2, ncu: 25% of the d64 kernel's shared-store wavefronts). Where 32 bytes would cost the kernel
-    // its own two dQ buffers (d128: 2 KB short), it keeps 16.
+    // its own two dQ buffers (d128: 2 KB short), it keeps 16 and interleaves rows (kDqRowInterleave).
     // (The column swizzle costs registers: from head dim 128 up, and with 128-row query blocks, it spills.)
     static constexpr int kPlainStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // Q, dO, LSE, D
     static constexpr int kFixedBytes = 2 * KTile::kBytes + 2 * PTile::kBytes;     // K, V, P^T, dS^T
@@ -57,8 +63,12 @@ struct FusedBwdTraits {
     // d192, with the next block's load at the top of the iteration, measured 5-6% slower: log item 26.)
     static constexpr bool kDqInStage = kFixedBytes + 2 * kPlainStageBytes + 2 * kBlockM * kDqRowBytes > kSmemLimit;
     static constexpr int kQStageBytes = cmax(kPlainStageBytes, kDqInStage ? kBlockM * kDqRowBytes : 0);
+    // With 16 bytes of padding, the staged rows are interleaved within groups of 8 so that the four
+    // rows of a half-warp's store still start 8 banks apart (dq_staging.cuh; host:
+    // KernelConfig.dq_row_interleave).
+    static constexpr bool kDqRowInterleave = kDqPadBytes == 16;
     using DqStage = DqStaging<kBlockM, kHeadDim, false, kDqPadBytes,
-                              kDqInStage ? kQStageBytes : kBlockM * kDqRowBytes>;
+                              kDqInStage ? kQStageBytes : kBlockM * kDqRowBytes, kDqRowInterleave>;
     static constexpr int kSmemBytes = kFixedBytes + 2 * kQStageBytes + (kDqInStage ? 0 : DqStage::kBytes);
     static_assert(kNWarps == 8 && kBlockN % kWarpKeys == 0 && kNWarps % kKeyGroups == 0, "32-key warps, 8 of them");
     static_assert(kQStageBytes % 128 == 0 && kSmemBytes <= kSmemLimit, "stages stay aligned, and fit");
@@ -153,51 +163,77 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         cp_async_wait<0>();
         __syncthreads();  // this stage has landed; P^T / dS^T and the other stage are free again
         if (it > 0) dq_stage.issue(dq_stage.buffer(it - 1), dq_block(m_block - 1), tid);
-        if (!Tr::kDqInStage) load_query_block(m_block + 1);
 
-        // S^T = K Q^T, then P^T = exp2(S^T * scale_log2 - LSE * log2 e), zero where masked.
-        float p[2][Tr::kSTiles][4];
-        zero_acc(p);
-        gemm_abt<T, 2, Tr::kSTiles, kHeadDim / 16>(
-            p, k_as_a, LdsmCursor<typename Tr::QTile>(q_smem, warp_query0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
-        const bool needs_mask = mask.tile_needs_mask(m_block, n_block, kBlockM, kBlockN);
+        // S^T = K Q^T, then P^T = exp2(S^T * scale_log2 - LSE * log2 e), zero where masked, rounded to T
+        // and packed in stmatrix order.
+        FragPair p16[2][Tr::kSTiles / 2];  // p16[mt][np]: tile pair (2 np, 2 np + 1) of row tile mt
+        bool needs_mask;  // (computed after the product: one register less through it)
+        {
+            float s[2][Tr::kSTiles][4];
+            zero_acc(s);
+            gemm_abt<T, 2, Tr::kSTiles, kHeadDim / 16>(
+                s, k_as_a, LdsmCursor<typename Tr::QTile>(q_smem, warp_query0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
+            needs_mask = mask.tile_needs_mask(m_block, n_block, kBlockM, kBlockN);
 #pragma unroll
-        for (int nt = 0; nt < Tr::kSTiles; ++nt) {
-            const int col0 = warp_query0 + nt * 8 + (lane % 4) * 2;  // this lane's two queries of tile nt
-            const float2 lse2 = *reinterpret_cast<const float2*>(lse_rows + col0);
-            const float neg_lse_log2[2] = {-lse2.x * kLog2e, -lse2.y * kLog2e};
+            for (int nt = 0; nt < Tr::kSTiles; ++nt) {
+                const int col0 = warp_query0 + nt * 8 + (lane % 4) * 2;  // this lane's two queries of tile nt
+                const float2 lse2 = *reinterpret_cast<const float2*>(lse_rows + col0);
+                const float neg_lse_log2[2] = {-lse2.x * kLog2e, -lse2.y * kLog2e};
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int col = col0 + (i & 1);
+                        const int key = key0 + warp_key0 + mt * 16 + lane / 4 + (i >= 2 ? 8 : 0);
+                        float pv = fast_exp2(fmaf(s[mt][nt][i], scale_log2, neg_lse_log2[i & 1]));
+                        if (!Tr::kPInRegisters && needs_mask && !mask.visible_in_range(m_block * kBlockM + col, key)) pv = 0.f;
+                        s[mt][nt][i] = pv;
+                    }
+            }
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int col = col0 + (i & 1);
-                    const int key = key0 + warp_key0 + mt * 16 + lane / 4 + (i >= 2 ? 8 : 0);
-                    float pv = fast_exp2(fmaf(p[mt][nt][i], scale_log2, neg_lse_log2[i & 1]));
-                    if (needs_mask && !mask.visible_in_range(m_block * kBlockM + col, key)) pv = 0.f;
-                    p[mt][nt][i] = pv;
-                }
+                for (int np = 0; np < Tr::kSTiles / 2; ++np) p16[mt][np] = pack_tile_pair<T>(s[mt][2 * np], s[mt][2 * np + 1]);
         }
-        // P^T goes to shared memory now (the dV / dK products need every query of the block), one
-        // stmatrix per tile pair; dS^T reads the warp's own P back from there instead of keeping it
-        // in registers through the dP product (that spills from head dim 64 up), and dS uses the
-        // same rounded P as dV.
+        // (kPInRegisters: masked entries are zeroed here, in their 16-bit halves.)
+        if (Tr::kPInRegisters && needs_mask) {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < Tr::kSTiles; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {  // rows +0 and +8 of the tile
+                        const int query = m_block * kBlockM + warp_query0 + nt * 8 + (lane % 4) * 2;
+                        const int key = key0 + warp_key0 + mt * 16 + lane / 4 + r * 8;
+                        u32& pair = p16[mt][nt / 2].r[2 * (nt % 2) + r];
+                        if (!mask.visible_in_range(query, key)) pair &= 0xffff0000u;
+                        if (!mask.visible_in_range(query + 1, key)) pair &= 0x0000ffffu;
+                    }
+        }
+        // P^T goes to shared memory (the dV / dK products need every query of the block), one
+        // stmatrix per tile pair.
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int np = 0; np < Tr::kSTiles / 2; ++np)
-                stmatrix_x4(pt_frag.at(mt * 16, 2 * np), pack_tile_pair<T>(p[mt][2 * np], p[mt][2 * np + 1]).r);
-        // dP^T = V dO^T, then dS^T = P^T * (dP^T - D), to shared memory as well.
+            for (int np = 0; np < Tr::kSTiles / 2; ++np) stmatrix_x4(pt_frag.at(mt * 16, 2 * np), p16[mt][np].r);
+        // dP^T = V dO^T, then dS^T = P^T * (dP^T - D), to shared memory as well (dS uses the same
+        // rounded P as dV).
         float ds[2][Tr::kSTiles][4];
         zero_acc(ds);
         gemm_abt<T, 2, Tr::kSTiles, kHeadDim / 16>(
             ds, v_as_a, LdsmCursor<typename Tr::QTile>(do_smem, warp_query0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
-        __syncwarp();  // P^T rows stored by other lanes of the warp
+        if (!Tr::kPInRegisters) __syncwarp();  // P^T rows stored by other lanes of the warp
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int np = 0; np < Tr::kSTiles / 2; ++np) {
                 u32 p_pairs[4];  // (tile 2np, rows +0), (2np, +8), (2np + 1, +0), (2np + 1, +8)
-                ldmatrix_x4(pt_frag.at(mt * 16, 2 * np), p_pairs);
+                if (Tr::kPInRegisters) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) p_pairs[j] = p16[mt][np].r[j];
+                } else {
+                    ldmatrix_x4(pt_frag.at(mt * 16, 2 * np), p_pairs);
+                }
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int nt = 2 * np + half;
@@ -217,7 +253,11 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
             dq_stage.wait_buffer_free(tid);
         }
         __syncthreads();  // P^T and dS^T complete
-        if (Tr::kDqInStage) load_query_block(m_block + 1);  // lands while dV, dK and dQ are computed
+        // The next query block loads now, into the other stage (free since the barrier at the top),
+        // and lands while dV, dK and dQ are computed. Issued at the top of the iteration instead,
+        // the loads' address registers held up the S^T product (ncu: the largest long-scoreboard
+        // stalls of the head-dim-128 kernel); here 1.06-1.10x at d128 (log item 31).
+        load_query_block(m_block + 1);
 
         const auto do_as_b = dkv_b_operand(do_smem), q_as_b = dkv_b_operand(q_smem);
         gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dv, pt_as_a, do_as_b.cursor, do_as_b.chunk0);  // dV += P^T dO

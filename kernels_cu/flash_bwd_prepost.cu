@@ -37,13 +37,16 @@ flash_bwd_dot_do_o_kernel(const u16* __restrict__ dout, const u16* __restrict__ 
 
 // out[b, s, h, c] = scale * sum_{g < group} acc[b, s, h * group + g, c] for an fp32 accumulator with
 // the given strides (elements; dQ: (b, h, s, c), GQA dK/dV: (b, s, h * group, c)). One thread per
-// output pair of columns.
+// output pair of columns. A dQ accumulator may hold its columns and rows permuted (col_swizzle,
+// row_interleave: dq_staging.cuh); the row permutation needs the accumulator's rows padded to a
+// multiple of 8.
 template <class T>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
                          i64 acc_batch_stride, i64 acc_row_stride, i64 acc_head_stride,
                          i64 out_batch_stride, i64 out_row_stride, i64 out_head_stride,
-                         int seqlen, int nheads, int head_dim, int group, float scale, int col_swizzle) {
+                         int seqlen, int nheads, int head_dim, int group, float scale, int col_swizzle,
+                         int row_interleave) {
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // over (row, head, column pair) of one batch
     const int batch = blockIdx.y;
     const int pairs = head_dim / 2;
@@ -52,7 +55,8 @@ flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
     const int head = (int)((idx / pairs) % nheads);
     const int row = (int)(idx / ((i64)pairs * nheads));
     const int c_acc = dq_swizzled_col(row, c, col_swizzle);  // the accumulator's column permutation (0: none)
-    const float* src = acc + batch * acc_batch_stride + row * acc_row_stride + (i64)head * group * acc_head_stride + c_acc;
+    const int row_acc = dq_staged_row(row, row_interleave);  // and its row permutation
+    const float* src = acc + batch * acc_batch_stride + row_acc * acc_row_stride + (i64)head * group * acc_head_stride + c_acc;
     float x = 0.f, y = 0.f;
     for (int g = 0; g < group; ++g) {
         const float2 pair = *reinterpret_cast<const float2*>(src + g * acc_head_stride);

@@ -102,10 +102,11 @@ def test_decode_shared_memory_matches_the_kernel_traits():
 def test_fused_backward_shared_memory_matches_the_kernel_traits():
     """The same contract for the fused backward (FusedBwdTraits::kSmemBytes: dQ staged in buffers of
     its own up to head dim 128, over a consumed Q/dO stage above; kDqPadBytes: the padding of the
-    staged and accumulated dQ rows, which the host allocates)."""
+    staged and accumulated dQ rows, which the host allocates; kDqRowInterleave: the row permutation
+    the convert kernel undoes)."""
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
     tiles = {f"FusedBwdTraits<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}>":
-             (c.smem_bytes, c.dq_row_pad_floats * 4, c.short_id())
+             (c.smem_bytes, c.dq_row_pad_floats * 4, c.dq_row_interleave, c.short_id())
              for c in cfg.all_backward_configs(90) if c.kernel == cfg.BWD_FUSED}
     for c in cfg.all_backward_configs(90):  # padded rows: the kernel's width (kDqRowBytes) plus the pad
         if c.kernel == cfg.BWD_FUSED:
@@ -113,17 +114,19 @@ def test_fused_backward_shared_memory_matches_the_kernel_traits():
     # also the 64-row tile at head dim 64 (tuning: backward_plan(tile=...)), whose dQ has buffers of
     # its own (the default 128-row tile stages dQ in-stage)
     c = cfg.backward_plan(64, "bf16", True, 90, tile=(64, 8, 2), fused=True).main[0]
-    tiles[f"FusedBwdTraits<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}>"] = (c.smem_bytes, c.dq_row_pad_floats * 4,
-                                                                            c.short_id())
+    tiles[f"FusedBwdTraits<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}>"] = (
+        c.smem_bytes, c.dq_row_pad_floats * 4, c.dq_row_interleave, c.short_id())
     asserts = [f'static_assert({t}::kSmemBytes == {smem} && {t}::kDqPadBytes == {pad} && '
-               f'{t}::kDqRowBytes == {t.split("<")[1].split(",")[0]} * 4 + {pad}, "{name}");'
-               for t, (smem, pad, name) in tiles.items()]
+               f'{t}::kDqRowBytes == {t.split("<")[1].split(",")[0]} * 4 + {pad} && '
+               f'{t}::kDqRowInterleave == {str(interleave).lower()}, "{name}");'
+               for t, (smem, pad, interleave, name) in tiles.items()]
     ok, log = _compiles_with_asserts("flash_bwd_fused.cu", asserts)
     assert ok, f"host and kernel disagree on fused backward shared memory:\n{log[:2000]}"
     assert len(tiles) == 5
     some_tile = next(iter(tiles))
     for wrong in (f'static_assert({some_tile}::kSmemBytes == {tiles[some_tile][0] + 16}, "off by 16");',
-                  f'static_assert({some_tile}::kDqPadBytes == {tiles[some_tile][1] + 16}, "off by 16");'):
+                  f'static_assert({some_tile}::kDqPadBytes == {tiles[some_tile][1] + 16}, "off by 16");',
+                  f'static_assert({some_tile}::kDqRowInterleave == {str(not tiles[some_tile][2]).lower()}, "flipped");'):
         assert not _compiles_with_asserts("flash_bwd_fused.cu", [wrong])[0]
 
 

@@ -111,24 +111,42 @@ def test_dq_accumulator_swizzle_permutes_within_rows_and_spreads_banks(head_dim)
         assert max(banks.count(b) for b in set(banks)) == 2  # each 8-byte bank pair serves 2 lanes
 
 
+def staged_row(row: int, interleave: bool) -> int:
+    """Mirror of dq_staged_row (kernels_cu/dq_staging.cuh): row r of each group of 8 at 2 (r % 4) + r / 4."""
+    return (row & ~7) | (2 * (row & 3) + ((row >> 2) & 1)) if interleave else row
+
+
+def test_dq_row_interleave_permutes_each_group_of_eight_rows():
+    for base in (0, 8, 64, 120):
+        rows = [staged_row(base + r, True) for r in range(8)]
+        assert sorted(rows) == list(range(base, base + 8))
+        assert rows[:4] == [base, base + 2, base + 4, base + 6]  # a half-warp's 4 rows: two apart
+    assert [staged_row(r, False) for r in range(16)] == list(range(16))
+
+
 @pytest.mark.parametrize("head_dim", [40, 64, 104, 120, 128, 160, 192, 200, 256])
 def test_fused_dq_rows_padded_instead_of_swizzled_spread_banks(head_dim):
     """The fused kernel pads each staged dQ row (and accumulator row) instead of permuting columns.
     A warp's fragment store (8 rows x 4 lanes x 2 floats, st.shared.v2) is served per half-warp
     (rows lane // 4 of lanes 0-15, then 16-31): with 32 bytes of padding the 4 rows of a half-warp
-    start 8 banks apart and each half takes one wavefront; the head-dim-128 build keeps 16 bytes
-    (2-way) because 32 would not leave room for its two dQ buffers."""
+    start 8 banks apart and each half takes one wavefront. The head-dim-128 build keeps 16 bytes
+    (32 would not leave room for its two dQ buffers), which alone leaves rows 4 banks apart (2-way),
+    and interleaves its rows instead, which puts a half-warp's rows two apart: 8 banks again."""
     fused = config.backward_plan(head_dim, "bf16", False, 90).main[0]
     assert fused.kernel == config.BWD_FUSED and fused.dq_column_swizzle(head_dim) == 0
     pitch = fused.dq_row_pitch(head_dim)  # fp32 words per staged row: the kernel's width, padded
     pad = fused.dq_row_pad_floats
     assert pitch == fused.head_dim + pad and (pitch * 4) % 16 == 0  # bulk copies move 16-byte units
     assert pad == (4 if fused.head_dim == 128 else 8)
+    assert fused.dq_row_interleave == (pad == 4)
+    assert fused.block_m % 8 == 0  # the interleave stays inside a query block
     assert fused.smem_bytes <= config.smem_limit(90)
     for first_col in range(0, head_dim, 8):
         for half in (range(16), range(16, 32)):
-            banks = [(lane // 4 * pitch + first_col + 2 * (lane % 4) + word) % 32 for lane in half for word in (0, 1)]
-            assert max(banks.count(b) for b in set(banks)) == (1 if pad == 8 else 2)
+            for interleave, expected in ((fused.dq_row_interleave, 1), (False, 1 if pad == 8 else 2)):
+                banks = [(staged_row(lane // 4, interleave) * pitch + first_col + 2 * (lane % 4) + word) % 32
+                         for lane in half for word in (0, 1)]
+                assert max(banks.count(b) for b in set(banks)) == expected
 
 
 def test_only_the_atomic_dq_main_kernel_swizzles_the_dq_accumulator():
