@@ -79,12 +79,13 @@ class KernelConfig:
             return 2 * n * d * 2 + self.stages * (2 * m * d * 2 + 2 * m * 4) + dq_bytes
         if self.kernel == BWD_DQ:
             return 2 * m * d * 2 + 2 * n * d * 2
-        if self.kernel == BWD_FUSED:  # K, V; 2 stages of Q, dO, LSE, D; P^T, dS^T; 2 fp32 dQ buffers
+        if self.kernel == BWD_FUSED:  # K, V; 2 stages of Q, dO, LSE, D; P^T, dS^T; fp32 dQ buffers
             fixed, stage = self._fused_fixed_and_stage_bytes()
             dq_buffer = m * (d + self.dq_row_pad_floats) * 4
-            if fixed + 2 * stage + 2 * dq_buffer > SMEM_LIMIT_BYTES[90]:  # FusedBwdTraits::kDqInStage:
-                return fixed + 2 * max(stage, dq_buffer)  # dQ staged over a consumed Q/dO stage
-            return fixed + 2 * stage + 2 * dq_buffer
+            for buffers in (2, 1):  # FusedBwdTraits::kDqBuffers: as many as fit
+                if fixed + 2 * stage + buffers * dq_buffer <= SMEM_LIMIT_BYTES[90]:
+                    return fixed + 2 * stage + buffers * dq_buffer
+            return fixed + 2 * max(stage, dq_buffer)  # kDqInStage: dQ staged over a consumed Q/dO stage
         return 0
 
     @property

@@ -32,14 +32,14 @@ CF_DEVICE int dq_staged_row(int row, bool interleave) {
 //     kRowInterleave stages the 4 rows of a half-warp two rows apart (dq_staged_row): 8 banks again,
 //     at no cost in registers (a thread's rows keep one offset), undone by the convert kernel.
 // kBufferStride: bytes from one buffer to the other; by default they are adjacent (kBytes in all),
-// but a kernel short of shared memory can stage dQ over memory of its own that is free by then
-// (flash_bwd_fused.cu).
+// but a kernel short of shared memory can stage dQ over memory of its own that is free by then, or
+// use one buffer (stride 0) and wait for each reduction to read it out (flash_bwd_fused.cu).
 template <int kBlockM, int kHeadDim, bool kSwizzle, int kPadBytes = 0,
           int kBufferStride = kBlockM * (kHeadDim * 4 + kPadBytes), bool kRowInterleave = false>
 struct DqStaging {
     static constexpr int kBufferBytes = kBlockM * (kHeadDim * 4 + kPadBytes);
     static constexpr int kBytes = 2 * kBufferBytes;
-    static_assert(kBufferStride >= kBufferBytes, "the two buffers must not overlap");
+    static_assert(kBufferStride >= kBufferBytes || kBufferStride == 0, "two buffers that do not overlap, or one");
     static_assert(kPadBytes % 16 == 0 && !(kSwizzle && kPadBytes), "bulk copies move 16-byte units; one cure");
     static_assert(!kRowInterleave || kBlockM % 8 == 0, "whole groups of 8 rows");
 

@@ -55,21 +55,26 @@ struct FusedBwdTraits {
     static constexpr int kDqPadBytes =
         kOwnDqBuffersBase + 2 * kBlockM * 16 <= kSmemLimit && kOwnDqBuffersBase + 2 * kBlockM * 32 > kSmemLimit ? 16 : 32;
     static constexpr int kDqRowBytes = kHeadDim * 4 + kDqPadBytes;
-    // Two fp32 dQ buffers of their own do not always fit next to K, V, two Q/dO stages and P^T / dS^T
-    // (d256: 64 + 129 + 16 + 130 KB; d64 with 128-row blocks: 32 + 66 + 64 + 68 KB). Then dQ is
-    // staged over the stage just consumed (its Q, dO, LSE and D: fp32 dQ rows take the bytes of a
-    // Q row and a dO row, the padding a little more), and the next query block loads once the copy
-    // engine has read that stage out (see the loop). (One buffer of its own where that fits, d64 and
-    // d192, with the next block's load at the top of the iteration, measured 5-6% slower: log item 26.)
-    static constexpr bool kDqInStage = kFixedBytes + 2 * kPlainStageBytes + 2 * kBlockM * kDqRowBytes > kSmemLimit;
-    static constexpr int kQStageBytes = cmax(kPlainStageBytes, kDqInStage ? kBlockM * kDqRowBytes : 0);
+    // dQ staging: two fp32 buffers of its own where they fit next to K, V, two Q/dO stages and
+    // P^T / dS^T (kDqBuffers = 2: d128), one where only one fits (d64 with 128-row blocks:
+    // 32 + 66 + 64 + 36 KB; d192), else over the stage just consumed (kDqInStage, d256: 64 + 129 +
+    // 16 KB leave no room: its Q, dO, LSE and D bytes take the fp32 dQ rows, the padding a little
+    // more; one barrier more per block, before dQ). With one buffer or in-stage, the copy engine
+    // must have read the previous block's dQ out before the P/dS barrier (see the loop). One buffer
+    // instead of in-stage measured 1.03-1.04x at d64 and 1.07-1.09x at d192 (log item 32).
+    static constexpr int kDqBufferBytes = kBlockM * kDqRowBytes;
+    static constexpr int kDqBuffers = kFixedBytes + 2 * kPlainStageBytes + 2 * kDqBufferBytes <= kSmemLimit ? 2
+                                      : kFixedBytes + 2 * kPlainStageBytes + kDqBufferBytes <= kSmemLimit  ? 1
+                                                                                                         : 0;
+    static constexpr bool kDqInStage = kDqBuffers == 0;
+    static constexpr int kQStageBytes = cmax(kPlainStageBytes, kDqInStage ? kDqBufferBytes : 0);
     // With 16 bytes of padding, the staged rows are interleaved within groups of 8 so that the four
     // rows of a half-warp's store still start 8 banks apart (dq_staging.cuh; host:
     // KernelConfig.dq_row_interleave).
     static constexpr bool kDqRowInterleave = kDqPadBytes == 16;
     using DqStage = DqStaging<kBlockM, kHeadDim, false, kDqPadBytes,
-                              kDqInStage ? kQStageBytes : kBlockM * kDqRowBytes, kDqRowInterleave>;
-    static constexpr int kSmemBytes = kFixedBytes + 2 * kQStageBytes + (kDqInStage ? 0 : DqStage::kBytes);
+                              kDqInStage ? kQStageBytes : kDqBuffers == 2 ? kDqBufferBytes : 0, kDqRowInterleave>;
+    static constexpr int kSmemBytes = kFixedBytes + 2 * kQStageBytes + kDqBuffers * kDqBufferBytes;
     static_assert(kNWarps == 8 && kBlockN % kWarpKeys == 0 && kNWarps % kKeyGroups == 0, "32-key warps, 8 of them");
     static_assert(kQStageBytes % 128 == 0 && kSmemBytes <= kSmemLimit, "stages stay aligned, and fit");
     static_assert(kSTiles % 2 == 0 && kDTiles % 2 == 0 && kDqTiles % 2 == 0 && kDqColGroups * kDqRowGroups == kNWarps,
@@ -247,10 +252,10 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
                 }
                 stmatrix_x4(dst_frag.at(mt * 16, 2 * np), pack_tile_pair<T>(ds[mt][2 * np], ds[mt][2 * np + 1]).r);
             }
-        if (Tr::kDqInStage) {
-            dq_stage.wait_all_read(tid);  // the other stage's dQ (issued above) has been read out
+        if (Tr::kDqBuffers == 2) {
+            dq_stage.wait_buffer_free(tid);  // the reduction from this iteration's buffer, two blocks ago
         } else {
-            dq_stage.wait_buffer_free(tid);
+            dq_stage.wait_all_read(tid);  // the reduction issued above has read its buffer (or stage) out
         }
         __syncthreads();  // P^T and dS^T complete
         // The next query block loads now, into the other stage (free since the barrier at the top),

@@ -101,7 +101,7 @@ def test_decode_shared_memory_matches_the_kernel_traits():
 
 def test_fused_backward_shared_memory_matches_the_kernel_traits():
     """The same contract for the fused backward (FusedBwdTraits::kSmemBytes: dQ staged in buffers of
-    its own up to head dim 128, over a consumed Q/dO stage above; kDqPadBytes: the padding of the
+    its own at head dim 128, one at 64 and 192, over a consumed Q/dO stage at 256; kDqPadBytes: the padding of the
     staged and accumulated dQ rows, which the host allocates; kDqRowInterleave: the row permutation
     the convert kernel undoes)."""
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
@@ -111,8 +111,8 @@ def test_fused_backward_shared_memory_matches_the_kernel_traits():
     for c in cfg.all_backward_configs(90):  # padded rows: the kernel's width (kDqRowBytes) plus the pad
         if c.kernel == cfg.BWD_FUSED:
             assert c.dq_row_pitch(c.head_dim - 8) * 4 == c.head_dim * 4 + c.dq_row_pad_floats * 4
-    # also the 64-row tile at head dim 64 (tuning: backward_plan(tile=...)), whose dQ has buffers of
-    # its own (the default 128-row tile stages dQ in-stage)
+    # also the 64-row tile at head dim 64 (tuning: backward_plan(tile=...)), whose dQ has two buffers
+    # of its own (the default 128-row tile has room for one)
     c = cfg.backward_plan(64, "bf16", True, 90, tile=(64, 8, 2), fused=True).main[0]
     tiles[f"FusedBwdTraits<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}>"] = (
         c.smem_bytes, c.dq_row_pad_floats * 4, c.dq_row_interleave, c.short_id())

@@ -350,6 +350,9 @@ def test_fused_backward_smem_and_compile_list():
     assert c.smem_bytes <= smem_limit(90)
     assert c.short_id() == "bwd-fused-fp16-d128-causal-m64n128w8s2"
     assert config.fused_backward_config(64, "bf16", False, True).short_id() == "bwd-fused-bf16-d64-full-m128n128w8s2-f32"
+    d64 = config.fused_backward_config(64, "bf16", False, False)  # 128-row blocks: one dQ buffer of its own
+    one_buffer = 2 * 128 * 64 * 2 + 2 * (2 * 128 * 64 * 2 + 2 * 128 * 4) + 2 * 128 * 128 * 2 + 128 * (64 + 8) * 4
+    assert d64.smem_bytes == one_buffer and one_buffer + 128 * (64 + 8) * 4 > smem_limit(90)
     assert "flash_bwd_fused_kernel<Fp16, 128, 64, 128, 8, true, false>" == c.template_name()
     fused = {c for c in config.all_backward_configs(90) if c.kernel == config.BWD_FUSED}
     assert len(fused) == 4 * 2 * 2 * 2  # widths 64, 128, 192, 256 x dtypes x causal x gqa
@@ -359,12 +362,19 @@ def test_fused_backward_smem_and_compile_list():
 @pytest.mark.parametrize(("head_dim", "width"), [(136, 192), (192, 192), (200, 256), (256, 256)])
 def test_fused_backward_above_128_uses_64_key_blocks_and_stages_dq_over_q(head_dim, width):
     """Above head dim 128 the fused kernel works on 64-key blocks (2 key groups x 4 column groups),
-    buckets 160 and 224 run the next even-tiled width, and dQ is staged over a consumed Q/dO stage
-    instead of buffers of its own (FusedBwdTraits::kDqInStage): that is what makes d256 fit."""
+    buckets 160 and 224 run the next even-tiled width; width 192 stages dQ in one buffer of its own,
+    width 256 over a consumed Q/dO stage (FusedBwdTraits::kDqBuffers / kDqInStage): that is what
+    makes d256 fit."""
     c = config.backward_plan(head_dim, "bf16", True, 90, fused=True).main[0]
     assert (c.kernel, c.head_dim, c.block_m, c.block_n, c.warps) == (config.BWD_FUSED, width, 64, 64, 8)
-    stage = max(2 * 64 * width * 2 + 2 * 64 * 4, 64 * (width * 4 + 32))  # Q, dO, LSE, D or padded fp32 dQ rows
-    assert c.smem_bytes == 2 * 64 * width * 2 + 2 * stage + 2 * 64 * 64 * 2
+    fixed = 2 * 64 * width * 2 + 2 * 64 * 64 * 2  # K, V, P^T, dS^T
+    plain_stage, dq_buffer = 2 * 64 * width * 2 + 2 * 64 * 4, 64 * (width * 4 + 32)  # Q, dO, LSE, D; padded fp32 dQ rows
+    if width == 192:
+        assert c.smem_bytes == fixed + 2 * plain_stage + dq_buffer
+        assert c.smem_bytes + dq_buffer > smem_limit(90)  # a second buffer would not fit
+    else:
+        assert c.smem_bytes == fixed + 2 * max(plain_stage, dq_buffer)
+        assert fixed + 2 * plain_stage + dq_buffer > smem_limit(90)  # not even one buffer of its own
     assert c.smem_bytes <= smem_limit(90)
     assert c.dq_column_swizzle(head_dim) == 0 and c.dq_row_pad_floats == 8  # padded, not swizzled
     assert not any(c.kernel == config.BWD_FUSED for c in config.all_backward_configs(80))
