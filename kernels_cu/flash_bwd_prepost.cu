@@ -36,10 +36,13 @@ flash_bwd_dot_do_o_kernel(const u16* __restrict__ dout, const u16* __restrict__ 
 }
 
 // out[b, s, h, c] = scale * sum_{g < group} acc[b, s, h * group + g, c] for an fp32 accumulator with
-// the given strides (elements; dQ: (b, h, s, c), GQA dK/dV: (b, s, h * group, c)). One thread per
-// output pair of columns. A dQ accumulator may hold its columns and rows permuted (col_swizzle,
-// row_interleave: dq_staging.cuh); the row permutation needs the accumulator's rows padded to a
-// multiple of 8.
+// the given strides (elements; dQ: (b, h, s, c), GQA dK/dV: (b, s, h * group, c)). A dQ accumulator
+// may hold its columns and rows permuted (col_swizzle, row_interleave: dq_staging.cuh); the row
+// permutation needs the accumulator's rows padded to a multiple of 8.
+// One thread per 4 columns of a row (16-byte loads, 8-byte stores; head_dim is a multiple of 8 and
+// every stride a multiple of 8 elements); a block covers blockDim.x / (head_dim / 4) rows of one
+// head: grid (row blocks, heads, batches), so that no thread divides a 64-bit index. (One thread per
+// column pair with 64-bit index arithmetic was compute-bound, at twice FA2's time: log item 33.)
 template <class T>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
@@ -47,22 +50,23 @@ flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
                          i64 out_batch_stride, i64 out_row_stride, i64 out_head_stride,
                          int seqlen, int nheads, int head_dim, int group, float scale, int col_swizzle,
                          int row_interleave) {
-    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // over (row, head, column pair) of one batch
-    const int batch = blockIdx.y;
-    const int pairs = head_dim / 2;
-    if (idx >= (i64)seqlen * nheads * pairs) return;
-    const int c = (int)(idx % pairs) * 2;
-    const int head = (int)((idx / pairs) % nheads);
-    const int row = (int)(idx / ((i64)pairs * nheads));
-    const int c_acc = dq_swizzled_col(row, c, col_swizzle);  // the accumulator's column permutation (0: none)
-    const int row_acc = dq_staged_row(row, row_interleave);  // and its row permutation
+    const int quads = head_dim / 4, rows_per_block = blockDim.x / quads;
+    const int local_row = threadIdx.x / quads;
+    const int row = blockIdx.x * rows_per_block + local_row, head = blockIdx.y, batch = blockIdx.z;
+    if (local_row >= rows_per_block || row >= seqlen) return;
+    const int c = (threadIdx.x - local_row * quads) * 4;
+    // The column permutation moves pairs by multiples of 8 columns: a quad stays whole.
+    const int c_acc = dq_swizzled_col(row, c, col_swizzle);
+    const int row_acc = dq_staged_row(row, row_interleave);
     const float* src = acc + batch * acc_batch_stride + row_acc * acc_row_stride + (i64)head * group * acc_head_stride + c_acc;
-    float x = 0.f, y = 0.f;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int g = 0; g < group; ++g) {
-        const float2 pair = *reinterpret_cast<const float2*>(src + g * acc_head_stride);
-        x += pair.x;
-        y += pair.y;
+        const float4 part = *reinterpret_cast<const float4*>(src + g * acc_head_stride);
+        sum.x += part.x;
+        sum.y += part.y;
+        sum.z += part.z;
+        sum.w += part.w;
     }
-    *reinterpret_cast<u32*>(out + batch * out_batch_stride + row * out_row_stride + head * out_head_stride + c) =
-        T::pack(x * scale, y * scale);
+    const uint2 packed = make_uint2(T::pack(sum.x * scale, sum.y * scale), T::pack(sum.z * scale, sum.w * scale));
+    *reinterpret_cast<uint2*>(out + batch * out_batch_stride + row * out_row_stride + head * out_head_stride + c) = packed;
 }

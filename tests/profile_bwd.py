@@ -1,10 +1,11 @@
 """One backward pass each of cuflash2 (default plan, the atomic-dQ plan, the fused plan) and torch's FA2, for a
-profiler to attach to (d128, seqlen 4k, bf16 unless told otherwise):
+profiler to attach to (d128, seqlen 4k or $SEQLEN with batch x seqlen = 16k, bf16 unless told otherwise):
     ncu --clock-control none -k regex:'flash_bwd|dq_dk_dv' \\
         --section SpeedOfLight --section WarpStateStats python tests/profile_bwd.py [head_dim] [causal|full] [fused-only]
 """
 
 import math
+import os
 import sys
 
 import cupy as cp
@@ -21,7 +22,8 @@ from cuflash2.validate import AttentionShape
 def main():
     head_dim = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     causal = len(sys.argv) > 2 and sys.argv[2] == "causal"
-    seqlen, batch, heads = 4096, 4, 2048 // head_dim
+    seqlen = int(os.environ.get("SEQLEN", 4096))  # FA2's grid: batch x seqlen = 16k, model dim 2048
+    batch, heads = 16384 // seqlen, 2048 // head_dim
     q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     qc, kc, vc, doc = (cp.from_dlpack(x) for x in (q, k, v, dout))
     out, lse = cuflash2.flash_attn_forward(qc, kc, vc, causal=causal)
