@@ -148,8 +148,9 @@ class KernelConfig:
     def dq_row_pad_floats(self) -> int:
         """Floats of padding after each staged row of fp32 dQ: the fused kernel pads its rows instead
         of swizzling columns, so that its staging stores avoid bank conflicts without spending
-        registers: 32 bytes (conflict-free), or 16 (2-way) where 32 would cost it its own two dQ
-        buffers (FusedBwdTraits::kDqPadBytes, dq_staging.cuh)."""
+        registers: 32 bytes, or 16 where 32 would cost it its own two dQ buffers, with its rows
+        interleaved then (dq_row_interleave); conflict-free either way (FusedBwdTraits::kDqPadBytes,
+        dq_staging.cuh)."""
         if self.kernel != BWD_FUSED:
             return 0
         fixed, stage = self._fused_fixed_and_stage_bytes()

@@ -155,7 +155,7 @@ def _convert(config, device_id, stream, acc: TensorInfo, out: TensorInfo, batch,
     batch_stride, row_stride, head_stride = acc.strides[:3]
     if heads_major:
         row_stride, head_stride = head_stride, row_stride
-    rows_per_block = _ELEMENTWISE_THREADS // (head_dim // 4)  # one thread per 4 columns (flash_bwd_prepost.cu)
+    rows_per_block = config.threads // (head_dim // 4)  # one thread per 4 columns (flash_bwd_prepost.cu)
     _launch(config, device_id, stream, (math.ceil(seqlen / rows_per_block), nheads, batch),
             (_ptr(acc.data_ptr), _ptr(out.data_ptr), _i64(batch_stride), _i64(row_stride), _i64(head_stride),
              *_strides3(out), _i32(seqlen), _i32(nheads), _i32(head_dim), _i32(group), _f32(scale),

@@ -3,7 +3,8 @@
 // in the global accumulator) is added to global memory by one bulk reduction of sm_90's copy
 // engine. Per-element fp32 atomics measured 1.4x slower than recomputing dQ in a separate kernel,
 // and one bulk operation per row was bound by the number of operations. Two buffers let one query
-// block drain while the next is computed.
+// block drain while the next is computed; with one (a kernel short of shared memory), the next
+// block's stores wait until the reduction has read the buffer out.
 #pragma once
 #include "ptx.cuh"
 
@@ -38,7 +39,7 @@ template <int kBlockM, int kHeadDim, bool kSwizzle, int kPadBytes = 0,
           int kBufferStride = kBlockM * (kHeadDim * 4 + kPadBytes), bool kRowInterleave = false>
 struct DqStaging {
     static constexpr int kBufferBytes = kBlockM * (kHeadDim * 4 + kPadBytes);
-    static constexpr int kBytes = 2 * kBufferBytes;
+    static constexpr int kBytes = (kBufferStride == 0 ? 1 : 2) * kBufferBytes;  // both buffers, or the one
     static_assert(kBufferStride >= kBufferBytes || kBufferStride == 0, "two buffers that do not overlap, or one");
     static_assert(kPadBytes % 16 == 0 && !(kSwizzle && kPadBytes), "bulk copies move 16-byte units; one cure");
     static_assert(!kRowInterleave || kBlockM % 8 == 0, "whole groups of 8 rows");

@@ -166,7 +166,8 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         const float* lse_rows = reinterpret_cast<const float*>(smem + (q_smem - k_smem) + 2 * Tr::QTile::kBytes);
         const float* delta_rows = lse_rows + kBlockM;
         cp_async_wait<0>();
-        __syncthreads();  // this stage has landed; P^T / dS^T and the other stage are free again
+        __syncthreads();  // this stage has landed; P^T / dS^T are free again (and the other stage,
+                          // unless it holds the previous block's dQ: kDqInStage)
         if (it > 0) dq_stage.issue(dq_stage.buffer(it - 1), dq_block(m_block - 1), tid);
 
         // S^T = K Q^T, then P^T = exp2(S^T * scale_log2 - LSE * log2 e), zero where masked, rounded to T
@@ -258,8 +259,9 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
             dq_stage.wait_all_read(tid);  // the reduction issued above has read its buffer (or stage) out
         }
         __syncthreads();  // P^T and dS^T complete
-        // The next query block loads now, into the other stage (free since the barrier at the top),
-        // and lands while dV, dK and dQ are computed. Issued at the top of the iteration instead,
+        // The next query block loads now, into the other stage (free since the barrier at the top;
+        // in-stage, since the wait for the reduction reading it, above), and lands while dV, dK
+        // and dQ are computed. Issued at the top of the iteration instead,
         // the loads' address registers held up the S^T product (ncu: the largest long-scoreboard
         // stalls of the head-dim-128 kernel); here 1.06-1.10x at d128 (log item 31).
         load_query_block(m_block + 1);

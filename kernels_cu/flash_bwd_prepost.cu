@@ -39,8 +39,8 @@ flash_bwd_dot_do_o_kernel(const u16* __restrict__ dout, const u16* __restrict__ 
 // the given strides (elements; dQ: (b, h, s, c), GQA dK/dV: (b, s, h * group, c)). A dQ accumulator
 // may hold its columns and rows permuted (col_swizzle, row_interleave: dq_staging.cuh); the row
 // permutation needs the accumulator's rows padded to a multiple of 8.
-// One thread per 4 columns of a row (16-byte loads, 8-byte stores; head_dim is a multiple of 8 and
-// every stride a multiple of 8 elements); a block covers blockDim.x / (head_dim / 4) rows of one
+// One thread per 4 columns of a row (16-byte loads, 8-byte stores: head_dim is a multiple of 8,
+// the accumulator's strides multiples of 4 floats and the output's of 8 elements); a block covers blockDim.x / (head_dim / 4) rows of one
 // head: grid (row blocks, heads, batches), so that no thread divides a 64-bit index. (One thread per
 // column pair with 64-bit index arithmetic was compute-bound, at twice FA2's time: log item 33.)
 template <class T>

@@ -23,7 +23,7 @@ def main():
     head_dim = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     causal = len(sys.argv) > 2 and sys.argv[2] == "causal"
     seqlen = int(os.environ.get("SEQLEN", 4096))  # FA2's grid: batch x seqlen = 16k, model dim 2048
-    batch, heads = 16384 // seqlen, 2048 // head_dim
+    batch, heads = max(1, 16384 // seqlen), 2048 // head_dim
     q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     qc, kc, vc, doc = (cp.from_dlpack(x) for x in (q, k, v, dout))
     out, lse = cuflash2.flash_attn_forward(qc, kc, vc, causal=causal)

@@ -111,15 +111,19 @@ def test_noncontiguous_dout_and_given_outputs():
         assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
 
 
-_SM90_PLANS = [pytest.param({"atomic_dq": True}, hd, id=f"atomic-{hd}") for hd in (64, 96, 128, 256)] + [
-    pytest.param({"fused": True}, hd, id=f"fused-{hd}") for hd in (40, 64, 120, 128, 144, 192, 200, 256)]
+_SM90_PLANS = [pytest.param({"atomic_dq": True}, hd, "bf16", id=f"atomic-{hd}") for hd in (64, 96, 128, 256)] + [
+    pytest.param({"fused": True}, hd, "bf16", id=f"fused-{hd}") for hd in (40, 64, 120, 128, 144, 192, 200, 256)] + [
+    # fp16: masked exponentials may overflow to inf before the d64 build clears their halves
+    pytest.param({"fused": True}, hd, "fp16", id=f"fused-{hd}-fp16") for hd in (64, 128, 256)] + [
+    # the d64 build with 64-row query blocks (a tuning tile): P^T in registers, two dQ buffers
+    pytest.param({"fused": True, "tile": (64, 8, 2)}, 64, "bf16", id="fused-64-m64")]
 
 
 @pytest.mark.parametrize("seqlens", [(211, 157), (64, 300)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads_kv", [4, 2])
-@pytest.mark.parametrize(("plan", "head_dim"), _SM90_PLANS)
-def test_sm90_dq_plans_match_reference(plan, head_dim, heads_kv, causal, seqlens):
+@pytest.mark.parametrize(("plan", "head_dim", "dtype"), _SM90_PLANS)
+def test_sm90_dq_plans_match_reference(plan, head_dim, dtype, heads_kv, causal, seqlens):
     """The plans that accumulate dQ with bulk fp32 reductions (sm_90) stay correct: the main kernel
     with dQ, and the fused one-pass kernel; ragged query and key blocks, GQA, causal or not."""
     import cupy as cp
@@ -132,8 +136,8 @@ def test_sm90_dq_plans_match_reference(plan, head_dim, heads_kv, causal, seqlens
     if launch.device_arch(0) < 90:
         pytest.skip("bulk reductions need sm_90")
     seqlen_q, seqlen_k = seqlens
-    q, k, v = make_inputs(cp, 2, seqlen_q, seqlen_k, 4, heads_kv, head_dim, "bf16", head_dim)
-    (dout,) = make_inputs(cp, 2, seqlen_q, 1, 4, 1, head_dim, "bf16", 7)[:1]
+    q, k, v = make_inputs(cp, 2, seqlen_q, seqlen_k, 4, heads_kv, head_dim, dtype, head_dim)
+    (dout,) = make_inputs(cp, 2, seqlen_q, 1, 4, 1, head_dim, dtype, 7)[:1]
     out, lse = cuflash2.flash_attn_forward(q, k, v, causal=causal)
     grads = [cp.empty_like(x) for x in (q, k, v)]
     infos = [describe("x", x) for x in (q, k, v)]
@@ -143,7 +147,7 @@ def test_sm90_dq_plans_match_reference(plan, head_dim, heads_kv, causal, seqlens
                     **plan)
     f32 = [as_float32(cp, x) for x in (q, k, v, dout)]
     ref = attention_backward_ref(cp, *f32, causal)
-    naive = attention_backward_ref(cp, *f32, causal, low_precision="bfloat16")
+    naive = attention_backward_ref(cp, *f32, causal, low_precision=np.dtype(q.dtype).name)
     for g, r, n in zip(grads, ref, naive):
         assert float(cp.abs(as_float32(cp, g) - r).max()) <= 3 * float(cp.abs(n - r).max()) + 1e-4
 
