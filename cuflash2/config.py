@@ -80,12 +80,12 @@ class KernelConfig:
         if self.kernel == BWD_DQ:
             return 2 * m * d * 2 + 2 * n * d * 2
         if self.kernel == BWD_FUSED:  # K, V; 2 stages of Q, dO, LSE, D; P^T, dS^T; fp32 dQ buffers
-            fixed, stage = self._fused_fixed_and_stage_bytes()
-            dq_buffer = m * (d + self.dq_row_pad_floats) * 4
+            pad = self.dq_row_pad_floats
             for buffers in (2, 1):  # FusedBwdTraits::kDqBuffers: as many as fit
-                if fixed + 2 * stage + buffers * dq_buffer <= SMEM_LIMIT_BYTES[90]:
-                    return fixed + 2 * stage + buffers * dq_buffer
-            return fixed + 2 * max(stage, dq_buffer)  # kDqInStage: dQ staged over a consumed Q/dO stage
+                if self._fused_own_dq_bytes(buffers, pad) <= SMEM_LIMIT_BYTES[90]:
+                    return self._fused_own_dq_bytes(buffers, pad)
+            fixed, stage = self._fused_fixed_and_stage_bytes()  # kDqInStage: dQ over a consumed Q/dO stage
+            return fixed + 2 * max(stage, m * (d + pad) * 4)
         return 0
 
     @property
@@ -153,11 +153,9 @@ class KernelConfig:
         dq_staging.cuh)."""
         if self.kernel != BWD_FUSED:
             return 0
-        fixed, stage = self._fused_fixed_and_stage_bytes()
-
-        def fits_own_buffers(pad_floats: int) -> bool:
-            return fixed + 2 * stage + 2 * self.block_m * (self.head_dim + pad_floats) * 4 <= SMEM_LIMIT_BYTES[90]
-        return 4 if fits_own_buffers(4) and not fits_own_buffers(8) else 8
+        def fits_two_buffers(pad_floats: int) -> bool:
+            return self._fused_own_dq_bytes(2, pad_floats) <= SMEM_LIMIT_BYTES[90]
+        return 4 if fits_two_buffers(4) and not fits_two_buffers(8) else 8
 
     @property
     def dq_row_interleave(self) -> bool:
@@ -166,6 +164,12 @@ class KernelConfig:
         convert kernel undoes: the fused kernel's 16-byte row padding alone leaves its staging stores
         2-way conflicted, the interleave spreads them over all banks (FusedBwdTraits::kDqRowInterleave)."""
         return self.kernel == BWD_FUSED and self.dq_row_pad_floats == 4
+
+    def _fused_own_dq_bytes(self, dq_buffers: int, pad_floats: int) -> int:
+        """The fused backward's shared memory with `dq_buffers` fp32 dQ buffers of its own, rows
+        padded by `pad_floats` (FusedBwdTraits: kFixedBytes + 2 kPlainStageBytes + the buffers)."""
+        fixed, stage = self._fused_fixed_and_stage_bytes()
+        return fixed + 2 * stage + dq_buffers * self.block_m * (self.head_dim + pad_floats) * 4
 
     def _fused_fixed_and_stage_bytes(self) -> tuple[int, int]:
         """The fused backward's shared memory besides dQ staging (FusedBwdTraits::kFixedBytes: K, V,

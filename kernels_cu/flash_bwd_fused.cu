@@ -261,9 +261,9 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         __syncthreads();  // P^T and dS^T complete
         // The next query block loads now, into the other stage (free since the barrier at the top;
         // in-stage, since the wait for the reduction reading it, above), and lands while dV, dK
-        // and dQ are computed. Issued at the top of the iteration instead,
-        // the loads' address registers held up the S^T product (ncu: the largest long-scoreboard
-        // stalls of the head-dim-128 kernel); here 1.06-1.10x at d128 (log item 31).
+        // and dQ are computed. Issued at the top of the iteration instead, the loads' address
+        // registers held up the S^T product (ncu: the largest long-scoreboard stalls of the
+        // head-dim-128 kernel); here 1.06-1.10x at d128 (log item 31).
         load_query_block(m_block + 1);
 
         const auto do_as_b = dkv_b_operand(do_smem), q_as_b = dkv_b_operand(q_smem);
