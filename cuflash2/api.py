@@ -13,11 +13,10 @@ import numpy as np
 
 from . import dropout as dropout_rng
 from . import interop, launch, reference
+from .config import MAX_GRID_YZ
 from .dropout import check_dropout
 from .features import PLAIN, Features, check_alibi, check_softcap, check_window
 from .validate import AttentionShape, validate_out, validate_qkv
-
-_MAX_GRID_YZ = 65535
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -193,8 +192,8 @@ def _fill(call, info, value) -> None:
 
 def _check_grid(shape: AttentionShape) -> None:
     for name, value in (("batch", shape.batch), ("nheads", shape.nheads)):
-        if value > _MAX_GRID_YZ:
-            raise ValueError(f"q: expected {name} <= {_MAX_GRID_YZ}, got {value}")
+        if value > MAX_GRID_YZ:
+            raise ValueError(f"q: expected {name} <= {MAX_GRID_YZ}, got {value}")
 
 
 def _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, out, dropout=(0.0, 0, 0)):

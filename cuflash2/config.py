@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 MAX_HEAD_DIM = 256
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = ("bf16", "fp16")
@@ -158,6 +159,24 @@ class KernelConfig:
         return 4 if fits_two_buffers(4) and not fits_two_buffers(8) else 8
 
     @property
+    def grouped_grid(self) -> bool:
+        """Causal forward and fused backward kernels launch in the grouped order (BlockGrid,
+        kernels_cu/block_mask.cuh): (G, blocks, chunks) over chunks of G (head, batch) groups, so
+        that the longest blocks (the forward's last query blocks, the backward's first key blocks)
+        of a whole chunk start before any shorter one. Grid y then holds the blocks: at most
+        MAX_GRID_YZ."""
+        return self.causal and self.kernel in (FWD, BWD_FUSED)
+
+    def grid(self, blocks: int, nheads: int, batch: int, slots: int) -> tuple[int, int, int]:
+        """Launch grid of a forward or backward main kernel over `blocks` query or key blocks per
+        (head, batch) group; `slots`: how many of its thread blocks the GPU runs at once."""
+        if not self.grouped_grid:
+            return (blocks, nheads, batch)
+        groups = nheads * batch
+        size = groups_per_chunk(groups, blocks, slots)
+        return (size, blocks, groups // size)
+
+    @property
     def dq_row_interleave(self) -> bool:
         """Whether the fp32 dQ accumulator this kernel fills holds the rows of each group of 8
         interleaved (row r at 2 (r % 4) + r / 4; dq_staged_row, kernels_cu/dq_staging.cuh), which the
@@ -257,6 +276,22 @@ _FWD_VARIANT_TILES_SMALL_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2),
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)
+def groups_per_chunk(groups: int, blocks: int, slots: int) -> int:
+    """G of the grouped grid order (KernelConfig.grouped_grid): the fewest groups whose blocks fill
+    one wave of `slots`, so the last wave holds the short blocks of the last chunk (a list-scheduling
+    model of the tail: tests/schedule_model.py) while the blocks running at once touch few groups'
+    data; taken among the divisors of `groups` (chunks alike: a smaller last chunk would start its
+    long blocks late), and large enough for grid z to hold the chunks."""
+    least = max(-(-slots // blocks), -(-groups // MAX_GRID_YZ), 1)
+    best, i = groups, 1
+    while i * i <= groups:
+        if groups % i == 0:
+            best = min([best] + [d for d in (i, groups // i) if d >= least])
+        i += 1
+    return best
+
+
 def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool = False) -> KernelConfig:
     """Tile shape for the forward kernel on compute capability `arch` (`variant`: the kernel with
     varlen / window / softcap / ALiBi support)."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import packed_launch
 from .compiler import get_kernel
-from .config import KernelConfig, backward_plan, forward_config
+from .config import MAX_GRID_YZ, KernelConfig, backward_plan, forward_config
 from .features import PLAIN, Features
 from .validate import AttentionShape, TensorInfo, check_compute_capability
 
@@ -47,6 +47,24 @@ def _launch(config: KernelConfig, device_id: int, stream, grid, args) -> None:
         kernel(grid, (config.threads,), args, shared_mem=config.smem_bytes, stream=stream)
 
 
+@functools.cache
+def _slots(config: KernelConfig, device_id: int) -> int:
+    """How many thread blocks of `config` the GPU runs at once (SMs x resident blocks per SM)."""
+    import cupy as cp
+    from cupy_backends.cuda.api import driver
+
+    kernel = get_kernel(config, device_id)
+    with cp.cuda.Device(device_id):
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, config.threads,
+                                                                   config.smem_bytes)
+        return max(1, per_sm) * cp.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+def _main_grid(config: KernelConfig, device_id: int, blocks: int, nheads: int, batch: int) -> tuple[int, int, int]:
+    slots = _slots(config, device_id) if config.grouped_grid else 0
+    return config.grid(blocks, nheads, batch, slots)
+
+
 def _seqlen_args(shape: AttentionShape, features: Features):
     """The kernels' seqlen_q/seqlen_k arguments: varlen kernels read the lengths from cu_seqlens and
     take the packed row counts here instead (the LSE and D layout (nheads, total_q))."""
@@ -63,12 +81,15 @@ def forward(q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: T
     if config is None:
         config = forward_config(shape.head_dim, SHORT_DTYPE[shape.dtype], causal, device_arch(device_id),
                                 not features.is_plain(causal))
-    grid = (math.ceil(shape.seqlen_q / config.block_m), shape.nheads, shape.batch)
-    _launch(config, device_id, stream, grid,
+    m_blocks = math.ceil(shape.seqlen_q / config.block_m)
+    if config.grouped_grid and m_blocks > MAX_GRID_YZ:  # grouped grids hold the query blocks in grid y
+        raise ValueError(f"q: the causal forward handles at most {MAX_GRID_YZ * config.block_m} query rows per "
+                         f"sequence with head dim {shape.head_dim}, got {shape.seqlen_q}")
+    _launch(config, device_id, stream, _main_grid(config, device_id, m_blocks, shape.nheads, shape.batch),
             (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(out.data_ptr), _ptr(lse.data_ptr),
              *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
              *_seqlen_args(shape, features), _i32(shape.head_dim), _i32(shape.kv_group),
-             *features.kernel_args(causal, shape.softmax_scale)))
+             *features.kernel_args(causal, shape.softmax_scale), _i32(shape.nheads)))
 
 
 def _scratch(cp, shape, dtype=np.float32, zero=False):
@@ -95,6 +116,12 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
         raise ValueError("atomic_dq: the variant kernels (window/softcap/ALiBi/varlen) use the dQ kernel only")
     plan = backward_plan(d, SHORT_DTYPE[shape.dtype], causal, arch or device_arch(device_id), deterministic, gqa,
                          split, atomic_dq, variant, tile, fused)
+    if any(c.grouped_grid and math.ceil(shape.seqlen_k / c.block_n) > MAX_GRID_YZ for c in plan.main):
+        if fused:  # its causal grid holds the key blocks in grid y (at most 65535)
+            raise ValueError(f"fused: the causal one-pass backward handles at most {MAX_GRID_YZ} key blocks, "
+                             f"got seqlen_k {shape.seqlen_k}")
+        plan = backward_plan(d, SHORT_DTYPE[shape.dtype], causal, arch or device_arch(device_id), deterministic,
+                             gqa, split, atomic_dq, variant, tile, fused=False)
     # Row-wise buffers (D, fp32 accumulators) cover (b, seqlen) rows, or the packed rows when varlen.
     if features.varlen:
         b, sq, sk = 1, features.total_q, features.total_k
@@ -128,10 +155,12 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
     scale = shape.softmax_scale
     tail = (*_seqlen_args(shape, features), _i32(d), _i32(shape.kv_group), *features.kernel_args(causal, scale))
     for config in plan.main:
-        _launch(config, device_id, stream, (math.ceil(shape.seqlen_k / config.block_n), h, shape.batch),
+        grid = _main_grid(config, device_id, math.ceil(shape.seqlen_k / config.block_n), h, shape.batch)
+        _launch(config, device_id, stream, grid,
                 (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(dout.data_ptr), _ptr(lse.data_ptr),
                  _ptr(delta_i.data_ptr), _ptr(dq_acc_ptr), _ptr(dk_t.data_ptr), _ptr(dv_t.data_ptr),
-                 *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *dk_strides, *dv_strides, *tail))
+                 *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *dk_strides, *dv_strides, *tail,
+                 _i32(h)))
     if plan.dq is not None:
         _launch(plan.dq, device_id, stream, (math.ceil(shape.seqlen_q / plan.dq.block_m), h, shape.batch),
                 (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(dout.data_ptr), _ptr(lse.data_ptr),

@@ -72,3 +72,29 @@ struct BlockMask {
     }
     CF_DEVICE bool visible_in_range(int row, int col) const { return row < seqlen_q && visible(row, col); }
 };
+
+// Where a thread block's (query or key) block, head and batch entry sit in the launch grid.
+// Plain order: (blocks, heads, batch). Grouped order, for causal grids, whose blocks' work grows
+// (forward: query blocks) or shrinks (backward: key blocks) with the block index: (G, blocks,
+// chunks), chunk c holding the (head, batch) groups c*G .. c*G + G - 1 (group = batch * nheads +
+// head). Blocks start in linear order (blockIdx.x fastest), so within each chunk every group's
+// longest block starts before any shorter one; the host sizes G so that a chunk spans about one
+// wave of the GPU (KernelConfig.grid): the last wave then holds short blocks, while the blocks
+// running at once still share the K/V (forward) or Q/dO/dQ (backward) of few groups in L2.
+// With one chunk per group (G = 1) the grouped order is the plain one.
+template <bool kGrouped>
+struct BlockGrid {
+    // Grouped ids are computed (a division), not special registers the compiler can re-read at any
+    // time: kernels short of registers recompute them after their main loop instead of keeping them.
+    static constexpr bool kComputedIds = kGrouped;
+    int block, head, batch;
+
+    static CF_DEVICE BlockGrid at(unsigned bx, unsigned by, unsigned bz, unsigned nheads) {
+        if (!kGrouped) return {(int)bx, (int)by, (int)bz};
+        const unsigned group = bz * gridDim.x + bx;  // < 2^32: batch and nheads are each < 2^16
+        return {(int)by, (int)(group % nheads), (int)(group / nheads)};
+    }
+    static CF_DEVICE BlockGrid here(int nheads) { return at(blockIdx.x, blockIdx.y, blockIdx.z, nheads); }
+    static CF_DEVICE int heads(int nheads) { return kGrouped ? nheads : (int)gridDim.y; }
+    static CF_DEVICE int blocks() { return kGrouped ? (int)gridDim.y : (int)gridDim.x; }
+};

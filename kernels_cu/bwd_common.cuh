@@ -1,5 +1,6 @@
 // Shared by the two dK/dV backward kernels (flash_bwd.cu, flash_bwd_fused.cu): their argument list
-// (the host launches either with the same arguments), the load of one query block's stage and the
+// (the host launches either with the same arguments; nheads serves the grouped grid order of causal
+// fused grids, BlockGrid in block_mask.cuh), the load of one query block's stage and the
 // store of dK/dV accumulator rows.
 #pragma once
 #include "ptx.cuh"
@@ -14,7 +15,7 @@
         i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride, i64 do_batch_stride, i64 do_row_stride,    \
         i64 do_head_stride, i64 dk_batch_stride, i64 dk_row_stride, i64 dk_head_stride, i64 dv_batch_stride, \
         i64 dv_row_stride, i64 dv_head_stride, int seqlen_q, int seqlen_k, int head_dim, int kv_group,     \
-        float scale_log2, float softmax_scale, CF_VARIANT_PARAMS
+        float scale_log2, float softmax_scale, CF_VARIANT_PARAMS, int nheads
 
 // Rows (row0 + mt * 16 + lane / 4 (+8)) x columns (col0 + nt * 8 + 2 * (lane % 4)) of a kMT x kTiles
 // block of MMA accumulator fragments, scaled, stored as T (16-bit, with row stride) or as fp32 (GQA:

@@ -3,7 +3,7 @@
 // block's keys form groups of 32 (4 groups of a 128-key block up to head dim 128, 2 groups of a
 // 64-key block above); the warps sharing a key group split the other dimension between them
 // (column group c of kColGroups): warp w works on key group w % kKeyGroups, column group w / kKeyGroups.
-// Per query block of kBlockM rows:
+// Causal grids take the grouped order (BlockGrid, block_mask.cuh). Per query block of kBlockM rows:
 //   S^T = K Q^T, dP^T = V dO^T                 keys of the group x queries of column group c
 //   P^T = exp(scale S^T - LSE), dS^T = P^T (dP^T - D)  -> shared memory (16-bit), for every warp
 //   dV += P^T dO, dK += dS^T Q                 keys of the group x head-dim columns of column group c
@@ -94,9 +94,11 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int key_group = warp % Tr::kKeyGroups, col_group = warp / Tr::kKeyGroups;
-    const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z, kv_head = head / kv_group;
+    using Grid = BlockGrid<kCausal>;  // causal: the first (longest) key blocks of a chunk of groups start first
+    const Grid at = Grid::here(nheads);
+    const int n_block = at.block, head = at.head, batch = at.batch, kv_head = head / kv_group;
     const VariantArgs va = CF_VARIANT_ARGS;
-    const SeqRange seq = SeqRange::make<false>(va, batch, gridDim.y, seqlen_q, seqlen_k);
+    const SeqRange seq = SeqRange::make<false>(va, batch, Grid::heads(nheads), seqlen_q, seqlen_k);
     const auto mask = make_mask<kCausal, false>(seq, va);
     const int key0 = n_block * kBlockN, keys_left = seq.seqlen_k - key0;
     const float kLog2e = 1.4426950408889634f;
@@ -111,7 +113,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     // dq_accum: (batch, head, seqlen_q rounded up to kBlockM, kDqRowBytes / 4) fp32
     auto dq_block = [&](int m_block) {
         const i64 rows = (i64)(seq.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
-        return dq_accum + (((i64)batch * gridDim.y + head) * rows + (i64)m_block * kBlockM) * (Tr::kDqRowBytes / 4);
+        return dq_accum + (((i64)batch * Grid::heads(nheads) + head) * rows + (i64)m_block * kBlockM) * (Tr::kDqRowBytes / 4);
     };
     const int m_begin = mask.query_block_begin(n_block, kBlockM, kBlockN);
     const int m_end = mask.query_block_end(n_block, kBlockM, kBlockN);
@@ -307,12 +309,13 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     // copies of the thread and block ids: kept from the prologue they would stay live through the
     // loop, where every register is taken by the accumulators and the MMA operands.
     const int tid_e = opaque_int(threadIdx.x), lane_e = tid_e % 32, warp_e = tid_e / 32;
-    const int head_e = opaque_int(blockIdx.y), batch_e = opaque_int(blockIdx.z);
-    const int row0 = opaque_int(blockIdx.x) * kBlockN + (warp_e % Tr::kKeyGroups) * Tr::kWarpKeys;
+    const Grid at_e = Grid::at(opaque_int(blockIdx.x), opaque_int(blockIdx.y), opaque_int(blockIdx.z), nheads);
+    const int head_e = at_e.head, batch_e = at_e.batch;
+    const int row0 = at_e.block * kBlockN + (warp_e % Tr::kKeyGroups) * Tr::kWarpKeys;
     const int col0 = (warp_e / Tr::kKeyGroups) * (kHeadDim / Tr::kColGroups);
     if (kFloatDkv) {
-        const i64 rs = (i64)gridDim.y * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
-        const i64 base = (((i64)batch_e * seqlen_k) * gridDim.y + head_e) * head_dim;
+        const i64 rs = (i64)Grid::heads(nheads) * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
+        const i64 base = (((i64)batch_e * seqlen_k) * Grid::heads(nheads) + head_e) * head_dim;
         store_fragment_rows<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seqlen_k, col0, head_dim, softmax_scale, lane_e);
         store_fragment_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seqlen_k, col0, head_dim, 1.f, lane_e);
     } else {

@@ -148,31 +148,38 @@ struct FwdBlock {
     SeqRange seq;
 };
 
+// The forward's grid: causal grids take the grouped order (BlockGrid, block_mask.cuh), the KV-cache
+// grids keep (splits x query blocks, heads, batch).
+template <bool kCausal, bool kKvCache>
+using FwdGrid = BlockGrid<kCausal && !kKvCache>;
+
 template <int kBlockM, bool kCausal, bool kVariant, bool kKvCache>
-CF_DEVICE FwdBlock locate_block(int block_x, int head, int batch, int seqlen_q, int seqlen_k, const VariantArgs& va,
-                                const KvCacheArgs& kc) {
+CF_DEVICE FwdBlock locate_block(unsigned bx, unsigned by, unsigned bz, int nheads, int seqlen_q, int seqlen_k,
+                                const VariantArgs& va, const KvCacheArgs& kc) {
+    using Grid = FwdGrid<kCausal, kKvCache>;
+    const Grid at = Grid::at(bx, by, bz, nheads);
     FwdBlock b;
     // Split-KV packs (split, query block) into blockIdx.x.
-    const int m_blocks = kKvCache ? (seqlen_q + kBlockM - 1) / kBlockM : gridDim.x;
-    b.split = kKvCache ? block_x / m_blocks : 0;
-    const int m_index = kKvCache ? block_x % m_blocks : block_x;
+    const int m_blocks = kKvCache ? (seqlen_q + kBlockM - 1) / kBlockM : Grid::blocks();
+    b.split = kKvCache ? at.block / m_blocks : 0;
+    const int m_index = kKvCache ? at.block % m_blocks : at.block;
     // Causal: the last query blocks have the most keys to visit; schedule them first.
     b.m_block = kCausal ? m_blocks - 1 - m_index : m_index;
-    b.head = head;
-    b.batch = batch;
-    b.seq = kKvCache ? kvcache_seq_range(kc, batch, gridDim.y, seqlen_q)
-                     : SeqRange::make<kVariant>(va, batch, gridDim.y, seqlen_q, seqlen_k);
+    b.head = at.head;
+    b.batch = at.batch;
+    b.seq = kKvCache ? kvcache_seq_range(kc, at.batch, Grid::heads(nheads), seqlen_q)
+                     : SeqRange::make<kVariant>(va, at.batch, Grid::heads(nheads), seqlen_q, seqlen_k);
     return b;
 }
 
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal, bool kVariant,
           bool kKvCache>
-CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCacheArgs& kc) {
+CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCacheArgs& kc, int nheads) {
     using Tr = FwdTraits<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kCausal>;
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const FwdBlock blk = locate_block<kBlockM, kCausal, kVariant, kKvCache>(blockIdx.x, blockIdx.y, blockIdx.z, seqlen_q,
-                                                                           seqlen_k, va, kc);
+    const FwdBlock blk = locate_block<kBlockM, kCausal, kVariant, kKvCache>(blockIdx.x, blockIdx.y, blockIdx.z, nheads,
+                                                                           seqlen_q, seqlen_k, va, kc);
     const int m_block = blk.m_block, split = blk.split, head = blk.head, batch = blk.batch, kv_head = head / kv_group;
     const SeqRange& seq = blk.seq;
     if (kVariant && m_block * kBlockM >= seq.seqlen_q) return;  // varlen: past this sequence's end
@@ -280,7 +287,7 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
             if (Tr::kSumsInSmem) softmax.template load_sums<Tr::kThreads>(row_sums);
             softmax.update(s, acc_o, scale_log2);
             if (Tr::kSumsInSmem) softmax.template store_sums<Tr::kThreads>(row_sums);
-            if (kVariant && !kKvCache && drop.active()) apply_dropout<Tr>(s, drop, batch * gridDim.y + head, row0, col0, lane);
+            if (kVariant && !kKvCache && drop.active()) apply_dropout<Tr>(s, drop, batch * FwdGrid<kCausal, kKvCache>::heads(nheads) + head, row0, col0, lane);
             const int lane_v = Tr::kRebuildAddresses ? opaque_int(lane) : lane;
             const LdsmCursor<typename Tr::KVTile> v_cur(kv_smem + ((t + 1) % kStages) * Tr::KVTile::kBytes,
                                                        lane_v % 16, lane_v / 16);
@@ -300,12 +307,15 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
     }
 
     // Epilogue: normalise, write LSE, stage O through this warp's own rows of the Q tile (only this
-    // warp ever read them) and store it with 16-byte writes. Tight tiles recompute where the output
-    // goes from opaque copies of the block and thread ids (the names below shadow the loop's):
-    // otherwise those values stay live through the key loop, which needs every register it has.
+    // warp ever read them) and store it with 16-byte writes. Tight tiles, and grouped grids (whose
+    // ids are computed: BlockGrid::kComputedIds), recompute where the output goes from opaque copies
+    // of the block and thread ids (the names below shadow the loop's): otherwise those values stay
+    // live through the key loop, which needs every register it has.
     {
-        const FwdBlock out = Tr::kTightRegisters ? locate_block<kBlockM, kCausal, kVariant, kKvCache>(
-            opaque_int(blockIdx.x), opaque_int(blockIdx.y), opaque_int(blockIdx.z), seqlen_q, seqlen_k, va, kc) : blk;
+        constexpr bool kRelocate = Tr::kTightRegisters || FwdGrid<kCausal, kKvCache>::kComputedIds;
+        const FwdBlock out = kRelocate ? locate_block<kBlockM, kCausal, kVariant, kKvCache>(
+            opaque_int(blockIdx.x), opaque_int(blockIdx.y), opaque_int(blockIdx.z), nheads, seqlen_q, seqlen_k, va,
+            kc) : blk;
         const int m_block = out.m_block, split = out.split, head = out.head, batch = out.batch;
         const SeqRange& seq = out.seq;
         const int tid_out = Tr::kTightRegisters ? opaque_int(threadIdx.x) : tid;
@@ -347,10 +357,11 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
     }
 }
 
+// nheads: the grouped order of causal grids (BlockGrid) cannot read it from the grid.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kCausal, bool kVariant>
-__global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS) {
+__global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS, int nheads) {
     flash_fwd_body<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kCausal, kVariant, false>(
-        CF_FWD_ARGS, CF_VARIANT_ARGS, KvCacheArgs{});
+        CF_FWD_ARGS, CF_VARIANT_ARGS, KvCacheArgs{}, nheads);
 }
 
 // flash_attn_with_kvcache: q against a (possibly paged) cache whose new rows are already appended.
@@ -359,7 +370,7 @@ template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kSta
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_fwd_kvcache_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS, CF_KVCACHE_PARAMS) {
     flash_fwd_body<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kCausal, true, true>(
-        CF_FWD_ARGS, CF_VARIANT_ARGS, CF_KVCACHE_ARGS);  // dropout is a training feature: not used here
+        CF_FWD_ARGS, CF_VARIANT_ARGS, CF_KVCACHE_ARGS, gridDim.y);  // dropout is a training feature: not used here
 }
 
 // ---- One-token decoding: warps split the keys ----------------------------------------------------
@@ -447,8 +458,8 @@ flash_fwd_decode_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS, CF_KVCACHE_PARAMS) {
     const VariantArgs va = CF_VARIANT_ARGS;
     const KvCacheArgs kc = CF_KVCACHE_ARGS;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const FwdBlock blk = locate_block<Tr::kBlockM, kCausal, true, true>(blockIdx.x, blockIdx.y, blockIdx.z, seqlen_q,
-                                                                        seqlen_k, va, kc);
+    const FwdBlock blk = locate_block<Tr::kBlockM, kCausal, true, true>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y,
+                                                                        seqlen_q, seqlen_k, va, kc);
     const int m_block = blk.m_block, split = blk.split, head = blk.head, batch = blk.batch, kv_head = head / kv_group;
     const SeqRange& seq = blk.seq;
     const auto mask = make_mask<kCausal, true>(seq, va);

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from attention_ref import attention_backward_ref, stable_seed
-from test_forward_gpu import HEAD_DIMS, SEQLENS, make_inputs
+from test_forward_gpu import HEAD_DIMS, SEQLENS, check_forward, make_inputs
 
 from cuflash2.interop import as_float32
 
@@ -184,3 +184,23 @@ def test_other_architectures_tile_tables(arch, causal, head_dim):
     naive_g = attention_backward_ref(cp, *f32, causal, low_precision="bfloat16")
     for g, r, n in zip(grads, ref_g, naive_g):
         assert float(cp.abs(as_float32(cp, g) - r).max()) <= 3 * float(cp.abs(n - r).max()) + 1e-4
+
+
+@pytest.mark.parametrize("heads_kv", [5, 1])
+@pytest.mark.parametrize("slots", [1, 7, 10_000])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_causal_grouped_grid_orders_match_reference(monkeypatch, head_dim, slots, heads_kv):
+    """Causal forward and backward with the grouped grid order (BlockGrid) at several chunk sizes:
+    `slots` is what the launch believes the GPU runs at once, so 15 (head, batch) groups go in
+    chunks of 1, 3 or 15 (config.groups_per_chunk); with 300 rows, several query and key blocks;
+    MHA (the fused backward) and MQA (the forward's grouped grid with shared K/V heads)."""
+    import cupy as cp
+
+    from cuflash2 import launch
+
+    monkeypatch.setattr(launch, "_slots", lambda config, device_id: slots)
+    seed = stable_seed("grouped", head_dim, slots, heads_kv)
+    q, k, v = make_inputs(cp, 3, 300, 300, 5, heads_kv, head_dim, "bf16", seed)
+    (dout,) = make_inputs(cp, 3, 300, 1, 5, 5, head_dim, "bf16", seed + 1)[:1]
+    check_forward(cp, q, k, v, True)
+    check_backward(cp, q, k, v, dout, True)

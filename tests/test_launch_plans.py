@@ -166,6 +166,7 @@ def test_forward_launch_arguments_pack(monkeypatch, causal, variant):
     from cuflash2.validate import AttentionShape
 
     monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
+    monkeypatch.setattr(launch, "_slots", lambda config, device_id: 264)
     sent = []
     monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args: sent.append((config, args)))
     q = _info((2, 100, 8, 64))
@@ -183,3 +184,124 @@ def test_decode_plan_arguments_pack(h200):
     plan = kvcache._make_plan(0, _decode_infos(paged=True, rotary=True), None, True, (-1, -1), 0.0, False, 0)
     for step in plan.launches:
         assert len(packed_launch.pack_slots(step.args)) == packed_launch.SLOT_BYTES * len(step.args)
+
+
+def _grid_order(grid, nheads, grouped):
+    """(block, head, batch) of every thread block in launch order (blockIdx.x fastest), decoded as
+    BlockGrid (kernels_cu/block_mask.cuh) does."""
+    gx, gy, gz = grid
+    order = []
+    for z in range(gz):
+        for y in range(gy):
+            for x in range(gx):
+                group = z * gx + x
+                order.append((y, group % nheads, group // nheads) if grouped else (x, y, z))
+    return order
+
+
+@pytest.mark.parametrize(("groups", "blocks", "slots", "expected"), [
+    (64, 32, 264, 16),  # one wave is 264 blocks: 9 groups, rounded up to a divisor of 64
+    (128, 16, 264, 32),
+    (15, 3, 7, 3),
+    (15, 3, 1, 1),  # a group fills a wave: plain order
+    (7, 4, 264, 7),  # a prime number of groups: one chunk
+    (12, 200, 132, 1),
+    (2 * 65535, 1000, 132, 2),  # grid z holds at most 65535 chunks
+])
+def test_groups_per_chunk(groups, blocks, slots, expected):
+    assert config.groups_per_chunk(groups, blocks, slots) == expected
+
+
+@pytest.mark.parametrize(("nheads", "batch", "blocks", "slots"), [(5, 3, 3, 7), (8, 2, 4, 20), (3, 1, 9, 1)])
+def test_grouped_grid_covers_every_block_once_longest_first_per_chunk(nheads, batch, blocks, slots):
+    """The grouped grid visits every (block, head, batch) once, and within each chunk of groups
+    every group's block i starts before any group's block i + 1."""
+    c = config.forward_config(64, "bf16", True, 90)
+    assert c.grouped_grid
+    grid = c.grid(blocks, nheads, batch, slots)
+    size = config.groups_per_chunk(nheads * batch, blocks, slots)
+    assert grid == (size, blocks, nheads * batch // size)
+    order = _grid_order(grid, nheads, True)
+    assert sorted(order) == sorted((i, h, b) for i in range(blocks) for h in range(nheads) for b in range(batch))
+    per_chunk = size * blocks
+    for start in range(0, len(order), per_chunk):
+        chunk_blocks = [i for i, _, _ in order[start:start + per_chunk]]
+        assert chunk_blocks == sorted(chunk_blocks)
+
+
+def _capture_backward(monkeypatch, seqlen_k, causal, fused=None):
+    """(config, grid, args) of every launch of one launch.backward call, without a GPU."""
+    from cuflash2.validate import AttentionShape, contiguous_info
+
+    monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
+    monkeypatch.setattr(launch, "_slots", lambda config, device_id: 264)
+    monkeypatch.setattr(launch, "_scratch", lambda cp, shape, dtype=np.float32, zero=False:
+                        (None, contiguous_info(shape, np.dtype(dtype).name, np.dtype(dtype).itemsize)))
+    sent = []
+    monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args: sent.append((config, grid, args)))
+    q, kv = _info((2, 64, 8, 128)), _info((2, seqlen_k, 8, 128))
+    lse = _info((2, 8, 64), "float32", 4)
+    shape = AttentionShape(2, 64, seqlen_k, 8, 8, 128, "bfloat16", 0.125)
+    launch.backward(q, q, kv, kv, q, lse, q, kv, kv, shape, causal, False, 0, None, fused=fused)
+    return sent
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_causal_fused_backward_launches_the_grouped_grid(monkeypatch, causal):
+    """The causal one-pass backward runs on the grouped grid, (G, key blocks, chunks), so the first
+    key blocks (the longest) of a chunk of groups start first; the non-causal one keeps (key blocks,
+    heads, batch). Both get nheads as their last argument."""
+    sent = _capture_backward(monkeypatch, 300, causal)
+    (main, grid, args), = [(c, g, a) for c, g, a in sent if c.kernel == config.BWD_FUSED]
+    key_blocks = -(-300 // main.block_n)
+    assert main.grouped_grid == causal
+    assert grid == (main.grid(key_blocks, 8, 2, 264) if causal else (key_blocks, 8, 2))
+    if causal:
+        assert grid == (16, key_blocks, 1)  # 264 slots / 3 key blocks -> 88 groups wanted; all 16 then
+    assert args[-1] == np.int32(8)
+
+
+def test_causal_fused_backward_past_the_grid_limit_uses_another_plan(monkeypatch):
+    """More key blocks than grid y holds: the causal backward takes a plan with the key blocks in
+    grid x, and an explicit fused=True is refused with a clear error."""
+    seqlen_k = 65536 * 128 + 1
+    sent = _capture_backward(monkeypatch, seqlen_k, True)
+    mains = [(c, g) for c, g, _ in sent if c.kernel in (config.BWD, config.BWD_FUSED)]
+    assert mains and all(c.kernel == config.BWD and not c.grouped_grid for c, _ in mains)
+    assert all(g[0] == -(-seqlen_k // c.block_n) for c, g in mains)
+    with pytest.raises(ValueError, match="fused: the causal one-pass backward handles at most 65535 key blocks"):
+        _capture_backward(monkeypatch, seqlen_k, True, fused=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("variant", [False, True])
+def test_causal_forward_launches_the_grouped_grid(monkeypatch, causal, variant):
+    """Causal forward grids take the grouped order (the last query blocks, the longest, of a chunk
+    of groups start first); non-causal ones keep (query blocks, heads, batch). Past grid y's limit
+    the causal forward refuses the call before any launch."""
+    from cuflash2.features import Features
+    from cuflash2.validate import AttentionShape
+
+    monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
+    monkeypatch.setattr(launch, "_slots", lambda config, device_id: 4)
+    sent = []
+    monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args: sent.append((config, grid, args)))
+    features = Features(softcap=5.0) if variant else Features()
+    q, kv, lse = _info((2, 300, 8, 64)), _info((2, 300, 2, 64)), _info((2, 8, 300), "float32", 4)
+    launch.forward(q, kv, kv, q, lse, AttentionShape(2, 300, 300, 8, 2, 64, "bfloat16", 0.125), causal, 0, None,
+                   features=features)
+    (c, grid, args), = sent
+    m_blocks = -(-300 // c.block_m)
+    assert c.grouped_grid == causal
+    assert grid == ((2, m_blocks, 8) if causal else (m_blocks, 8, 2))  # 4 slots / 3 blocks: chunks of 2 groups
+    assert args[-1] == np.int32(8)
+    rows = 65536 * c.block_m
+    long_q = _info((1, rows, 8, 64))
+    shape = AttentionShape(1, rows, rows, 8, 8, 64, "bfloat16", 0.125)
+    if causal:
+        with pytest.raises(ValueError, match="the causal forward handles at most"):
+            launch.forward(long_q, long_q, long_q, long_q, lse, shape, True, 0, None, features=features)
+        assert len(sent) == 1
+    else:
+        launch.forward(long_q, long_q, long_q, long_q, lse, shape, False, 0, None, features=features)
+        assert sent[-1][1][0] == 65536
