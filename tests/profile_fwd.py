@@ -1,9 +1,10 @@
 """One forward pass each of cuflash2 (default tile) and torch's FA2 on the same inputs, for a profiler
-to attach to (seqlen 4k, bf16, 2048 model dim):
+to attach to (seqlen 4k or $SEQLEN with batch x seqlen = 16k, bf16, 2048 model dim):
     ncu --clock-control none -k regex:flash_fwd --section SpeedOfLight --section WarpStateStats \\
         python tests/profile_fwd.py [head_dim] [causal]
 """
 
+import os
 import sys
 
 import cupy as cp
@@ -15,7 +16,8 @@ import cuflash2
 def main():
     head_dim = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     causal = len(sys.argv) > 2 and sys.argv[2] == "causal"
-    seqlen, batch, heads = 4096, 4, 2048 // head_dim
+    seqlen = int(os.environ.get("SEQLEN", 4096))
+    batch, heads = 16384 // seqlen, 2048 // head_dim
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
     out, _ = cuflash2.flash_attn_forward(qc, kc, vc, causal=causal)
