@@ -74,15 +74,28 @@ def _progress(problems):
                              item_show_func=lambda p: p.label() if p else "")
 
 
-def run_all(cp, problems, impls, settings: dict, peak) -> list[dict]:
+def run_all(cp, problems, impls, settings: dict, peak, rounds: int = 1) -> list[dict]:
+    """One row per (problem, implementation). With several rounds every implementation is timed
+    once per round, the order rotating from round to round, and its median round is kept: the
+    GPU's clock follows its power draw with some lag, so a fixed order would time each
+    implementation right after the same other one (after a cuDNN run, the next kernel measured up
+    to 13% slower than it did later in the same process)."""
     rows = []
     with _progress(problems) as bar:
         for problem in bar:
             inputs = bench_run.make_inputs(cp, problem)
-            rows += [bench_run.run_one(cp, impl, problem, inputs, settings, peak) for impl in impls]
+            runs = {impl: [] for impl in impls}
+            for r in range(rounds):
+                for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
+                    runs[impl].append(bench_run.run_one(cp, impl, problem, inputs, settings, peak))
+            rows += [bench_run.median_round(runs[impl]) for impl in impls]
             del inputs
     bench_run.add_speedups(rows)
     return rows
+
+
+def _rounds_note(rounds: int) -> str:
+    return f", the median of {rounds} rounds timed in rotating order" if rounds > 1 else ""
 
 
 def summary_lines(rows: list[dict], env: dict) -> list[str]:
@@ -91,6 +104,7 @@ def summary_lines(rows: list[dict], env: dict) -> list[str]:
     lines = [f"{modes} on {env['gpu']} ({env['arch']}); peak {f'{peak:.0f} TFLOP/s' if peak else 'unknown'} "
              f"({env['peak_source']})",
              f"run time: median of {env['repeats']} CUDA-event timings after {env['warmup']} warm-up calls"
+             f"{_rounds_note(env.get('rounds', 1))}"
              f"{', L2 flushed before each' if env['flush_bytes'] else ''}; "
              "'1st call s' is the first call's wall time (kernel compile/load included)"]
     ours = [r["first_call_s"] for r in rows if r["impl"] == "cuflash2" and r.get("first_call_s") is not None]
@@ -140,6 +154,9 @@ def emit(rows, fmt: str, output: str | None, env: dict) -> None:
               help=f"Comma list of torch SDPA backends to time beside cuflash2: {', '.join(COMPARE_CHOICES)}.")
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Time every implementation once per round, in an order that rotates between rounds, and "
+                   "keep its median round.")
 @click.option("--flush-l2", is_flag=True, help="Overwrite twice the L2's size before each timed call.")
 @click.option("--peak", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Peak TFLOP/s for '% peak' (default: datasheet figure for the GPU, else a measured GEMM).")
@@ -153,7 +170,7 @@ def emit(rows, fmt: str, output: str | None, env: dict) -> None:
                    "head dim 128), GB/s of K+V read; --seqlen sets the cache lengths (default 2k,8k,32k,64k), "
                    "--batch one batch size (default 1, 16 and 64).")
 def bench_command(mode, batch, seqlens, seqlen_k, heads, heads_kv, head_dims, causal, dtype, compare, warmup, repeats,
-                  flush_l2, peak, fmt, output, plot, decode) -> None:
+                  rounds, flush_l2, peak, fmt, output, plot, decode) -> None:
     """Measure TFLOP/s and % of peak, beside torch SDPA backends.
 
     The default grid is FA2's benchmark: model dim 2048 (heads = 2048 / head dim), batch x seqlen =
@@ -187,8 +204,8 @@ def bench_command(mode, batch, seqlens, seqlen_k, heads, heads_kv, head_dims, ca
     info = gpu.gpu_info(cp)
     peak_value, peak_source = bench_run.resolve_peak(cp, info.name, peak)
     settings = {"warmup": warmup, "repeats": repeats, "flush_bytes": _flush_bytes(cp, flush_l2)}
-    rows = run_all(cp, problems, ["cuflash2", *compare], settings, peak_value)
-    env = bench_run.environment(cp, info.name, info.arch, peak_value, peak_source, settings)
+    rows = run_all(cp, problems, ["cuflash2", *compare], settings, peak_value, rounds)
+    env = bench_run.environment(cp, info.name, info.arch, peak_value, peak_source, {**settings, "rounds": rounds})
     emit(rows, fmt, output, env)
     if plot:
         plot_results(rows, plot, f"{mode} {dtype} on {info.name}")

@@ -174,6 +174,17 @@ def run_one(cp, impl: str, p: Problem, inputs, settings: dict, peak: float | Non
             "pct_peak": 100.0 * tflops / peak if peak else None}
 
 
+def median_round(rows: list[dict]) -> dict:
+    """One implementation's rows of the same problem, one per round: the round with the median run
+    time (the lower middle one for an even count), keeping the first round's first-call time (the
+    only one that includes compilation). An error in any round is the result."""
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        return failed[0]
+    chosen = sorted(rows, key=lambda r: r["ms"])[(len(rows) - 1) // 2]
+    return {**chosen, "first_call_s": rows[0]["first_call_s"]}
+
+
 def add_speedups(rows: list[dict]) -> None:
     """speedup = cuflash2 TFLOP/s / this implementation's, for rows of the same problem."""
     keys = ("mode", "dtype", "batch", "seqlen", "seqlen_k", "heads", "heads_kv", "head_dim", "causal")

@@ -1,10 +1,12 @@
 """Forward/backward benchmark (+ forward tile sweep) on the GPU, next to torch SDPA (flash, cuDNN)
-in the same run. Usage: python tests/bench_kernels.py [--sweep] [--seqlens 4096] [--modes fwd,bwd]
+in the same run, each point timed in rounds that rotate the order of the implementations (medians).
+Usage: python tests/bench_kernels.py [--sweep] [--seqlens 4096] [--modes fwd,bwd] [--rounds 3]
 """
 
 import argparse
 import json
 import math
+import statistics
 
 import cupy as cp
 import numpy as np
@@ -41,8 +43,8 @@ def torch_sdpa_bwd(backend_name, q, k, v, causal):
     return run
 
 
-def bench_bwd(q, k, v, causal, flops, split=None, atomic_dq=None, tile=None, fused=None):
-    """Backward kernels alone (launch level: no per-call Python validation)."""
+def bwd_kernel_call(q, k, v, causal, split=None, atomic_dq=None, tile=None, fused=None):
+    """One backward pass at launch level (no per-call Python validation), as a callable."""
     qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
     out, lse = cuflash2.flash_attn_forward(qc, kc, vc, causal=causal)
     dout = cp.from_dlpack(q.clone().normal_())
@@ -51,9 +53,12 @@ def bench_bwd(q, k, v, causal, flops, split=None, atomic_dq=None, tile=None, fus
     grads = [cp.empty_like(x) for x in (qc, kc, vc)]
     infos = [describe("x", x) for x in (dout, qc, kc, vc, out, lse, *grads)]
     stream = cp.cuda.get_current_stream()
-    ms = bench.time_cuda_ms(lambda: launch.backward(*infos, shape, causal, False, 0, stream, atomic_dq, split,
-                                                               tile=tile, fused=fused))
-    return flops / ms / 1e9
+    return lambda: launch.backward(*infos, shape, causal, False, 0, stream, atomic_dq, split, tile=tile, fused=fused)
+
+
+def bench_bwd(q, k, v, causal, flops, split=None, atomic_dq=None, tile=None, fused=None):
+    """Backward kernels alone, TFLOP/s."""
+    return flops / bench.time_cuda_ms(bwd_kernel_call(q, k, v, causal, split, atomic_dq, tile, fused)) / 1e9
 
 
 # (block_m, warps, stages) of the main backward kernel when it accumulates dQ itself.
@@ -61,15 +66,30 @@ BWD_ATOMIC_SWEEP = {64: [(64, 4, 2), (64, 8, 2), (32, 8, 2)], 128: [(32, 4, 1), 
                     256: [(32, 4, 1), (32, 2, 1)]}
 
 
-def bench_bwd_api(q, k, v, causal, flops):
+def bwd_api_call(q, k, v, causal):
     """torch autograd through cuflash2's custom op (what a torch user gets), backward only."""
     import torch
 
     qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
     out = cuflash2.flash_attn_func(qt, kt, vt, causal=causal)
     grad = torch.randn_like(out)
-    ms = bench.time_cuda_ms(lambda: torch.autograd.grad(out, (qt, kt, vt), grad, retain_graph=True))
-    return flops / ms / 1e9
+    return lambda: torch.autograd.grad(out, (qt, kt, vt), grad, retain_graph=True)
+
+
+def median_tflops(calls, flops, rounds):
+    """TFLOP/s of each named call: medians over `rounds` rounds that time every call in turn,
+    starting each round at the next call. The GPU's clock follows its power draw with some lag
+    (after a cuDNN run the next kernel measured up to 13% slower than the same kernel timed
+    later in one process), so no implementation should always follow the same one."""
+    names = list(calls)
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            try:
+                samples[name].append(flops / bench.time_cuda_ms(calls[name], 3, 10) / 1e9)
+            except Exception:  # backend unavailable for this shape
+                samples[name].append(float("nan"))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main():
@@ -82,6 +102,7 @@ def main():
                         help="forward tiles of the sweep as block_m,block_n,warps,stages;... (default: a fixed list)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--modes", default="fwd,bwd")
+    parser.add_argument("--rounds", type=int, default=3, help="timing rounds per point (medians)")
     args = parser.parse_args()
     import torch
 
@@ -95,31 +116,19 @@ def main():
                 for mode in args.modes.split(","):
                     flops = bench.attention_flops(batch, seqlen, seqlen, heads, head_dim, causal, mode)
                     row = {"mode": mode, "seqlen": seqlen, "head_dim": head_dim, "causal": causal}
-                    if mode == "fwd":
-                        row["cuflash2"] = flops / bench.time_cuda_ms(lambda: cuflash2.flash_attn_func(q, k, v, causal=causal)) / 1e9
-                        row["kernel"] = bench_fwd_kernel(q, k, v, causal, flops)
-                    else:
-                        row["cuflash2"] = bench_bwd_api(q, k, v, causal, flops)
-                        row["kernel"] = bench_bwd(q, k, v, causal, flops)
-                        if args.sweep:
-                            row["dq_kernel"] = bench_bwd(q, k, v, causal, flops, atomic_dq=False)
-                            row["atomic"] = bench_bwd(q, k, v, causal, flops, atomic_dq=True)
-                            if head_dim in FUSED_BWD_HEAD_DIMS:
-                                row["fused"] = bench_bwd(q, k, v, causal, flops, fused=True)
-                            row["atomic_tiles"] = {
-                                str(tile): round(bench_bwd(q, k, v, causal, flops, atomic_dq=True, tile=tile), 1)
-                                for tile in BWD_ATOMIC_SWEEP.get(head_dim, ())}
-                    for name in ("flash", "cudnn"):
-                        try:
-                            fn = torch_sdpa(name)
-                            run = (lambda: fn(q, k, v, causal)) if mode == "fwd" else torch_sdpa_bwd(name, q, k, v, causal)
-                            row[name] = flops / bench.time_cuda_ms(run) / 1e9
-                        except Exception:  # backend unavailable for this shape
-                            row[name] = float("nan")
+                    row.update(median_tflops(point_calls(mode, q, k, v, causal), flops, args.rounds))
+                    if args.sweep and mode == "bwd":
+                        row["dq_kernel"] = bench_bwd(q, k, v, causal, flops, atomic_dq=False)
+                        row["atomic"] = bench_bwd(q, k, v, causal, flops, atomic_dq=True)
+                        if head_dim in FUSED_BWD_HEAD_DIMS:
+                            row["fused"] = bench_bwd(q, k, v, causal, flops, fused=True)
+                        row["atomic_tiles"] = {
+                            str(tile): round(bench_bwd(q, k, v, causal, flops, atomic_dq=True, tile=tile), 1)
+                            for tile in BWD_ATOMIC_SWEEP.get(head_dim, ())}
                     if args.sweep and mode == "fwd":
                         tiles = ([tuple(map(int, t.split(","))) for t in args.tiles.split(";")] if args.tiles
                                  else SWEEP_TILES)
-                        row["sweep"] = sweep(q, k, v, causal, args.dtype, flops, tiles)
+                        row["sweep"] = sweep(q, k, v, causal, args.dtype, flops, tiles, args.rounds)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     print(f"\n{'mode':>4} {'seqlen':>6} {'hdim':>4} {'causal':>6} {'cuflash2':>9} {'flash':>7} {'cudnn':>7} {'vs flash':>8}")
@@ -132,36 +141,57 @@ def main():
             json.dump(rows, f, indent=1)
 
 
-def bench_fwd_kernel(q, k, v, causal, flops, config=None):
-    """Forward kernel alone (launch level: no per-call Python validation)."""
+def fwd_kernel_call(q, k, v, causal, config=None):
+    """One forward pass at launch level (no per-call Python validation), as a callable."""
     qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
     b, s, h, d = qc.shape
     shape = AttentionShape(b, s, s, h, h, d, np.dtype(qc.dtype).name, 1 / math.sqrt(d))
     out, lse = cp.empty_like(qc), cp.empty((b, h, s), dtype=np.float32)
     infos = [describe("x", x) for x in (qc, kc, vc, out, lse)]
     stream = cp.cuda.get_current_stream()
-    ms = bench.time_cuda_ms(lambda: launch.forward(*infos, shape, causal, 0, stream, config), 3, 10)
-    return flops / ms / 1e9
+    return lambda: launch.forward(*infos, shape, causal, 0, stream, config)
+
+
+def bench_fwd_kernel(q, k, v, causal, flops, config=None):
+    """Forward kernel alone, TFLOP/s."""
+    return flops / bench.time_cuda_ms(fwd_kernel_call(q, k, v, causal, config), 3, 10) / 1e9
+
+
+def point_calls(mode, q, k, v, causal):
+    """The calls one grid point times: cuflash2's public API (torch tensors), its kernels alone,
+    and torch SDPA's flash and cuDNN backends."""
+    if mode == "fwd":
+        calls = {"cuflash2": lambda: cuflash2.flash_attn_func(q, k, v, causal=causal),
+                 "kernel": fwd_kernel_call(q, k, v, causal)}
+    else:
+        calls = {"cuflash2": bwd_api_call(q, k, v, causal), "kernel": bwd_kernel_call(q, k, v, causal)}
+    for name in ("flash", "cudnn"):
+        try:
+            fn = torch_sdpa(name)
+            calls[name] = (lambda fn=fn: fn(q, k, v, causal)) if mode == "fwd" else torch_sdpa_bwd(name, q, k, v, causal)
+        except Exception:  # backend unavailable for this shape: timed as NaN
+            calls[name] = _unavailable
+    return calls
+
+
+def _unavailable():
+    raise RuntimeError("backend unavailable")
 
 
 SWEEP_TILES = [(128, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2),
                (128, 64, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2)]
 
 
-def sweep(q, k, v, causal, dtype, flops, tiles=SWEEP_TILES):
-    """TFLOP/s of alternative tile shapes (for tuning the config table)."""
+def sweep(q, k, v, causal, dtype, flops, tiles=SWEEP_TILES, rounds=3):
+    """TFLOP/s of alternative tile shapes (for tuning the config table), timed in rotating rounds."""
     d = q.shape[-1]
-    results = {}
+    calls = {}
     for block_m, block_n, warps, stages in tiles:
         config = KernelConfig(FWD, dtype, forward_config(d, dtype, causal, 90).head_dim, block_m, block_n, warps,
                               stages, causal)
-        if config.smem_bytes > 227 * 1024:
-            continue
-        try:
-            results[config.short_id()] = round(bench_fwd_kernel(q, k, v, causal, flops, config), 1)
-        except Exception as exc:
-            results[config.short_id()] = str(exc)[:80]
-    return results
+        if config.smem_bytes <= 227 * 1024:
+            calls[config.short_id()] = fwd_kernel_call(q, k, v, causal, config)
+    return {name: round(value, 1) for name, value in median_tflops(calls, flops, rounds).items()}
 
 
 if __name__ == "__main__":

@@ -445,3 +445,26 @@ def test_round_to_bfloat16_matches_ml_dtypes():
     x = _random((1000,), 7) * 100
     expected = x.astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(checks.round_to(np, x, "bfloat16"), expected)
+
+
+def test_bench_rounds_rotate_the_order_and_keep_the_median_round(monkeypatch):
+    """With --rounds, every implementation is timed once per round, the order rotating, and the
+    row kept is its median round (first-call time from the first round); an error wins."""
+    order = []
+    times = {"cuflash2": iter([3.0, 1.0, 2.0]), "torch-flash": iter([5.0, 4.0, 6.0])}
+
+    def fake_run_one(cp, impl, problem, inputs, settings, peak):
+        order.append(impl)
+        ms = next(times[impl])
+        return {"impl": impl, **problem.fields(), "flops": problem.flops, "ms": ms,
+                "tflops": problem.flops / ms / 1e9, "first_call_s": 10 * ms, "pct_peak": None}
+
+    monkeypatch.setattr(bench_run, "run_one", fake_run_one)
+    monkeypatch.setattr(bench_run, "make_inputs", lambda cp, problem: None)
+    problem = bench_run.Problem("fwd", "bf16", 4, 4096, 32, 64, False)
+    rows = bench_cmd.run_all(None, [problem], ["cuflash2", "torch-flash"], {}, None, rounds=3)
+    assert order == ["cuflash2", "torch-flash", "torch-flash", "cuflash2", "cuflash2", "torch-flash"]
+    ours, flash = rows
+    assert (ours["ms"], ours["first_call_s"]) == (2.0, 30.0)
+    assert flash["ms"] == 5.0 and flash["speedup"] == pytest.approx(5.0 / 2.0)
+    assert bench_run.median_round([{"ms": 1.0, "first_call_s": 1.0}, {"error": "boom"}]) == {"error": "boom"}
