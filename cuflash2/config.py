@@ -236,6 +236,22 @@ def _check_dtype(dtype: str) -> None:
         raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
 
 
+@functools.lru_cache(maxsize=1024)
+def groups_per_chunk(groups: int, blocks: int, slots: int) -> int:
+    """G of the grouped grid order (KernelConfig.grouped_grid): the fewest groups whose blocks fill
+    one wave of `slots`, so the last wave holds the short blocks of the last chunk (a list-scheduling
+    model of the tail: tests/schedule_model.py) while the blocks running at once touch few groups'
+    data; taken among the divisors of `groups` (chunks alike: a smaller last chunk would start its
+    long blocks late), and large enough for grid z to hold the chunks."""
+    least = max(-(-slots // blocks), -(-groups // MAX_GRID_YZ), 1)
+    best, i = groups, 1
+    while i * i <= groups:
+        if groups % i == 0:
+            best = min([best] + [d for d in (i, groups // i) if d >= least])
+        i += 1
+    return best
+
+
 # ---- forward ------------------------------------------------------------------------------------
 # (block_m, block_n, warps, stages) per head-dim bucket. With 4 warps each warp owns 32 query rows
 # (two MMA row tiles share every K/V fragment read from shared memory, halving that traffic); the
@@ -273,31 +289,25 @@ _FWD_TILES_SMALL_SMEM = {
 }
 _FWD_VARIANT_TILES_SMALL_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2),
                                  224: (64, 32, 4, 2)}  # as above; 64x64 spills on sm_86
+# Causal head dim 256 up to 1k query rows (sm_90): FA2's 64x64 4-warp tile, two blocks per SM,
+# measured 1.075x (seqlen 512) and 1.037x (1k) the 128x64 8-warp tile's TFLOP/s, equal at 2k and
+# slower beyond (H200, kernels alone, rotating rounds; BENCHMARKS.md, performance log item 35).
+_FWD_SHORT_CAUSAL_TILES_SM90 = {256: (64, 64, 4, 2)}
+FWD_SHORT_SEQLEN = 1024
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=1024)
-def groups_per_chunk(groups: int, blocks: int, slots: int) -> int:
-    """G of the grouped grid order (KernelConfig.grouped_grid): the fewest groups whose blocks fill
-    one wave of `slots`, so the last wave holds the short blocks of the last chunk (a list-scheduling
-    model of the tail: tests/schedule_model.py) while the blocks running at once touch few groups'
-    data; taken among the divisors of `groups` (chunks alike: a smaller last chunk would start its
-    long blocks late), and large enough for grid z to hold the chunks."""
-    least = max(-(-slots // blocks), -(-groups // MAX_GRID_YZ), 1)
-    best, i = groups, 1
-    while i * i <= groups:
-        if groups % i == 0:
-            best = min([best] + [d for d in (i, groups // i) if d >= least])
-        i += 1
-    return best
-
-
-def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool = False) -> KernelConfig:
+def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool = False,
+                   seqlen_q: int | None = None) -> KernelConfig:
     """Tile shape for the forward kernel on compute capability `arch` (`variant`: the kernel with
-    varlen / window / softcap / ALiBi support)."""
+    varlen / window / softcap / ALiBi support; `seqlen_q`, when known, picks the short-sequence tile
+    of causal calls)."""
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
-    if _large_smem(arch):
+    short_causal = causal and not variant and arch >= 90 and seqlen_q is not None and seqlen_q <= FWD_SHORT_SEQLEN
+    if short_causal and bucket in _FWD_SHORT_CAUSAL_TILES_SM90:
+        tiles = _FWD_SHORT_CAUSAL_TILES_SM90[bucket]
+    elif _large_smem(arch):
         tiles = ((_FWD_VARIANT_TILES_LARGE_SMEM.get(bucket) if variant else None)
                  or _FWD_TILES_LARGE_SMEM[bucket])
     else:
@@ -546,8 +556,10 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
 
 def all_forward_configs(arch: int) -> list[KernelConfig]:
     """Every forward instantiation the library can launch on `arch`."""
-    return [forward_config(bucket, dtype, causal, arch, variant)
-            for variant in (False, True) for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)]
+    configs = [forward_config(bucket, dtype, causal, arch, variant, seqlen_q)
+               for variant in (False, True) for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)
+               for seqlen_q in (None, FWD_SHORT_SEQLEN)]
+    return list(dict.fromkeys(configs))
 
 
 def all_backward_configs(arch: int) -> list[KernelConfig]:

@@ -38,7 +38,10 @@ struct FwdTraits {
     // KernelConfig.forward_row_sums_bytes (cuflash2/config.py) mirrors kSumsInSmem.
     static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;
     static constexpr bool kTightRegisters = kDTiles >= 12 && kAccRegisters >= 160 && (kMTiles >= 2 || kCausal);
-    static constexpr bool kRebuildAddresses = kTightRegisters && kMTiles >= 2;
+    // Tight tiles of 16 rows per warp rebuild their addresses too when each thread loads 16 or more
+    // 16-byte K/V chunks per block (head dim 256, 64-key blocks, 4 warps): else the loader spills.
+    static constexpr int kKvChunksPerThread = kBlockN * kHeadDim * 2 / 16 / kThreads;
+    static constexpr bool kRebuildAddresses = kTightRegisters && (kMTiles >= 2 || kKvChunksPerThread >= 16);
     static constexpr bool kSumsInSmem = kTightRegisters && kMTiles >= 2;
     static constexpr int kSumsBytes = kSumsInSmem ? kThreads * kMTiles * 2 * 4 : 0;
     static constexpr int kSmemBytes = QTile::kBytes + kStages * KVTile::kBytes + kSumsBytes;

@@ -99,12 +99,27 @@ def test_short_id_is_unique_and_readable():
     assert forward_config(64, "bf16", True, 90, variant=True).short_id() == "fwd-bf16-d64-causal-var-m128n64w8s3"
 
 
+def test_short_causal_tile_only_where_measured():
+    """Causal calls up to FWD_SHORT_SEQLEN query rows take FA2's 64x64 4-warp tile at head dim 256 on
+    sm_90 (measured faster there); every other call keeps its tile, and the tile is compiled ahead."""
+    short = forward_config(256, "bf16", True, 90, seqlen_q=config.FWD_SHORT_SEQLEN)
+    assert (short.block_m, short.block_n, short.warps) == (64, 64, 4)
+    assert short in all_forward_configs(90)
+    assert forward_config(256, "bf16", True, 90, seqlen_q=config.FWD_SHORT_SEQLEN + 1) == forward_config(
+        256, "bf16", True, 90)
+    for args in ((256, "bf16", False, 90), (128, "bf16", True, 90), (256, "bf16", True, 80), (256, "fp16", True, 86)):
+        assert forward_config(*args, seqlen_q=512) == forward_config(*args)
+    assert forward_config(256, "bf16", True, 90, True, seqlen_q=512) == forward_config(256, "bf16", True, 90, True)
+
+
 def test_variant_configs_mirror_the_plain_ones():
     """Every plain instantiation has a variant twin; the variant tiles differ only where the plain
     tile spills with the extra per-element work (recorded in config.py)."""
     for arch in (80, 86, 90):
         configs = all_forward_configs(arch)
-        plain = [c for c in configs if not c.variant]
+        short = [c for d in config.HEAD_DIM_BUCKETS for t in config.DTYPES
+                 if (c := forward_config(d, t, True, arch, seqlen_q=config.FWD_SHORT_SEQLEN)) != forward_config(d, t, True, arch)]
+        plain = [c for c in configs if not c.variant and c not in short]  # short-sequence tiles: plain only
         variant = [c for c in configs if c.variant]
         assert len(plain) == len(variant) == len(config.HEAD_DIM_BUCKETS) * 2 * 2
         for c in plain:
