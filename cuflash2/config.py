@@ -289,11 +289,12 @@ _FWD_TILES_SMALL_SMEM = {
 }
 _FWD_VARIANT_TILES_SMALL_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2),
                                  224: (64, 32, 4, 2)}  # as above; 64x64 spills on sm_86
-# Causal head dim 256 up to 1k query rows (sm_90): FA2's 64x64 4-warp tile, two blocks per SM,
-# measured 1.075x (seqlen 512) and 1.037x (1k) the 128x64 8-warp tile's TFLOP/s, equal at 2k and
-# slower beyond (H200, kernels alone, rotating rounds; BENCHMARKS.md, performance log item 35).
+# Causal head dim 256 up to 2k query rows (sm_90): FA2's 64x64 4-warp tile, two blocks per SM,
+# measured 1.12x (seqlen 512), 1.11x (1k) and 1.065x (2k) the 128x64 8-warp tile's TFLOP/s (H200,
+# kernels alone, rotating rounds; BENCHMARKS.md, performance log item 35). Longer sequences keep
+# the 8-warp tile: not measured side by side there yet.
 _FWD_SHORT_CAUSAL_TILES_SM90 = {256: (64, 64, 4, 2)}
-FWD_SHORT_SEQLEN = 1024
+FWD_SHORT_SEQLEN = 2048
 
 
 @functools.lru_cache(maxsize=4096)
