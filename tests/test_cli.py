@@ -468,3 +468,14 @@ def test_bench_rounds_rotate_the_order_and_keep_the_median_round(monkeypatch):
     assert (ours["ms"], ours["first_call_s"]) == (2.0, 30.0)
     assert flash["ms"] == 5.0 and flash["speedup"] == pytest.approx(5.0 / 2.0)
     assert bench_run.median_round([{"ms": 1.0, "first_call_s": 1.0}, {"error": "boom"}]) == {"error": "boom"}
+
+
+@pytest.mark.parametrize("arch", [80, 86, 90])
+def test_compile_command_covers_every_forward_instantiation(arch):
+    """`cuflash2 compile` fills the cache with every forward kernel the library can launch, the
+    short-sequence tiles included (config.forward_config's seqlen_q)."""
+    from cuflash2 import config
+    from cuflash2.cli import main
+
+    listed = set(main._configs(arch, list(config.HEAD_DIM_BUCKETS), list(config.DTYPES)))
+    assert set(config.all_forward_configs(arch)) <= listed
