@@ -156,7 +156,7 @@ def emit(rows, fmt: str, output: str | None, env: dict) -> None:
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="Time every implementation once per round, in an order that rotates between rounds, and "
-                   "keep its median round.")
+                   "keep its median round (--decode has interleaved rounds of its own).")
 @click.option("--flush-l2", is_flag=True, help="Overwrite twice the L2's size before each timed call.")
 @click.option("--peak", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Peak TFLOP/s for '% peak' (default: datasheet figure for the GPU, else a measured GEMM).")

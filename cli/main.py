@@ -78,8 +78,8 @@ def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ..
             for causal in (False, True):
                 for variant in (False, True):
                     if "fwd" in kinds:
-                        for seqlen_q in (None, cfg.FWD_SHORT_SEQLEN):  # the short-sequence tiles too
-                            unique[cfg.forward_config(dim, dtype, causal, arch, variant, seqlen_q)] = None
+                        for seqlen in (None, cfg.FWD_SHORT_SEQLEN):  # the short-sequence tiles too
+                            unique[cfg.forward_config(dim, dtype, causal, arch, variant, seqlen)] = None
                         for rows in (64, cfg.KVCACHE_SHORT_ROWS, cfg.DECODE_ROWS):
                             unique[cfg.kvcache_config(dim, dtype, causal, arch, rows)] = None
                         unique.update(dict.fromkeys(cfg.kvcache_helper_configs(dtype)))

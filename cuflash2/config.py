@@ -289,23 +289,24 @@ _FWD_TILES_SMALL_SMEM = {
 }
 _FWD_VARIANT_TILES_SMALL_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2),
                                  224: (64, 32, 4, 2)}  # as above; 64x64 spills on sm_86
-# Causal head dim 256 up to 2k query rows (sm_90): FA2's 64x64 4-warp tile, two blocks per SM,
-# measured 1.12x (seqlen 512), 1.11x (1k) and 1.065x (2k) the 128x64 8-warp tile's TFLOP/s (H200,
-# kernels alone, rotating rounds; BENCHMARKS.md, performance log item 35). Longer sequences keep
-# the 8-warp tile: not measured side by side there yet.
+# Causal head dim 256 with query and key lengths up to 2k (sm_90 only: measured there): FA2's 64x64
+# 4-warp tile, two blocks per SM, measured 1.12x (seqlen 512), 1.11x (1k) and 1.06x (2k) the 128x64
+# 8-warp tile's TFLOP/s (H200, kernels alone, rotating rounds; BENCHMARKS.md, performance log item
+# 35), 1.01x at 4k and 0.95-0.97x at 8k-16k. Longer keys mean longer blocks, hence the key length
+# counts too.
 _FWD_SHORT_CAUSAL_TILES_SM90 = {256: (64, 64, 4, 2)}
 FWD_SHORT_SEQLEN = 2048
 
 
 @functools.lru_cache(maxsize=4096)
 def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool = False,
-                   seqlen_q: int | None = None) -> KernelConfig:
+                   seqlen: int | None = None) -> KernelConfig:
     """Tile shape for the forward kernel on compute capability `arch` (`variant`: the kernel with
-    varlen / window / softcap / ALiBi support; `seqlen_q`, when known, picks the short-sequence tile
-    of causal calls)."""
+    varlen / window / softcap / ALiBi support; `seqlen`, the longer of the call's query and key
+    lengths when known, picks the short-sequence tile of causal calls)."""
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
-    short_causal = causal and not variant and arch >= 90 and seqlen_q is not None and seqlen_q <= FWD_SHORT_SEQLEN
+    short_causal = causal and not variant and arch == 90 and seqlen is not None and seqlen <= FWD_SHORT_SEQLEN
     if short_causal and bucket in _FWD_SHORT_CAUSAL_TILES_SM90:
         tiles = _FWD_SHORT_CAUSAL_TILES_SM90[bucket]
     elif _large_smem(arch):
@@ -557,9 +558,9 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
 
 def all_forward_configs(arch: int) -> list[KernelConfig]:
     """Every forward instantiation the library can launch on `arch`."""
-    configs = [forward_config(bucket, dtype, causal, arch, variant, seqlen_q)
+    configs = [forward_config(bucket, dtype, causal, arch, variant, seqlen)
                for variant in (False, True) for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)
-               for seqlen_q in (None, FWD_SHORT_SEQLEN)]
+               for seqlen in (None, FWD_SHORT_SEQLEN)]
     return list(dict.fromkeys(configs))
 
 

@@ -80,7 +80,7 @@ def forward(q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: T
     pass q, k, v, out as (batch, max_seqlen, nheads, dim) views with batch stride 0 (features.as_batched)."""
     if config is None:
         config = forward_config(shape.head_dim, SHORT_DTYPE[shape.dtype], causal, device_arch(device_id),
-                                not features.is_plain(causal), shape.seqlen_q)
+                                not features.is_plain(causal), max(shape.seqlen_q, shape.seqlen_k))
     m_blocks = math.ceil(shape.seqlen_q / config.block_m)
     if config.grouped_grid and m_blocks > MAX_GRID_YZ:  # grouped grids hold the query blocks in grid y
         raise ValueError(f"q: the causal forward handles at most {MAX_GRID_YZ * config.block_m} query rows per "

@@ -3,7 +3,9 @@
 Usage: python tests/ab_forward.py OLD_KERNELS_DIR[,OTHER_DIR...] [--head-dims 64,128,256] [--seqlen 4096] [--rounds 3]
 Each default tile is compiled from this tree and from every listed source tree and timed in turn
 (new, old, other, new, ...), so clock drift hits every side alike; prints kernel-only TFLOP/s and
-each tree's figure over the first old tree's.
+each tree's figure over the first old tree's. The old trees' kernels are launched by this tree's
+host code, so they must keep its launch contract (since 1666d69: causal grids in the grouped
+order, nheads as the last argument); to compare host changes too, use tests/ab_trees.py.
 """
 
 import argparse
@@ -95,7 +97,7 @@ def main():
         b, s, h = shape.batch, shape.seqlen_q, shape.nheads
         out, lse = cp.empty_like(q), cp.empty((b, h, s), dtype=np.float32)
         infos = [describe("x", x) for x in (q, k, v, out, lse)]
-        fp16 = forward_config(d, "fp16", causal, launch.device_arch(device))
+        fp16 = forward_config(d, "fp16", causal, launch.device_arch(device), seqlen=s)
         compare(args, device, [fp16], lambda: launch.forward(*infos, shape, causal, device, stream, fp16),
                 bench.attention_flops(b, s, s, h, d, causal))
 

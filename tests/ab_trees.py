@@ -21,7 +21,7 @@ import sys
 def parse_args(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("tree_a")
-    parser.add_argument("tree_b", nargs="?")
+    parser.add_argument("tree_b", nargs="?", help="required unless --worker")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
@@ -29,7 +29,10 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worker", action="store_true", help="time tree_a in this process (JSON lines)")
     parser.add_argument("--compile-only", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.worker and args.tree_b is None:
+        parser.error("tree_b: expected a second checkout to compare with")
+    return args
 
 
 def points(args):

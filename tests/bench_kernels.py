@@ -89,7 +89,12 @@ def median_tflops(calls, flops, rounds):
                 samples[name].append(flops / bench.time_cuda_ms(calls[name], 3, 10) / 1e9)
             except Exception:  # backend unavailable for this shape
                 samples[name].append(float("nan"))
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return {name: _median_or_nan(values) for name, values in samples.items()}
+
+
+def _median_or_nan(values):
+    """The median, or NaN when any round failed (a backend that fails now and then has no figure)."""
+    return float("nan") if any(math.isnan(v) for v in values) else statistics.median(values)
 
 
 def main():

@@ -33,7 +33,7 @@ def causal_grid(mode, seqlen, head_dim, fixed):
     """(work per block in the kernels' launch order, slots per SM) for FA2's grid point."""
     batch, heads = 16384 // seqlen, 2048 // head_dim
     if mode == "fwd":
-        c = config.forward_config(head_dim, "bf16", True, 90)
+        c = config.forward_config(head_dim, "bf16", True, 90, seqlen=seqlen)
         m_blocks = seqlen // c.block_m
         # query block m visits key blocks up to the diagonal; the kernel runs the last one first
         per_group = [((m + 1) * c.block_m + c.block_n - 1) // c.block_n + fixed for m in reversed(range(m_blocks))]

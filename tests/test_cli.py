@@ -473,7 +473,7 @@ def test_bench_rounds_rotate_the_order_and_keep_the_median_round(monkeypatch):
 @pytest.mark.parametrize("arch", [80, 86, 90])
 def test_compile_command_covers_every_forward_instantiation(arch):
     """`cuflash2 compile` fills the cache with every forward kernel the library can launch, the
-    short-sequence tiles included (config.forward_config's seqlen_q)."""
+    short-sequence tiles included (config.forward_config's seqlen)."""
     from cuflash2 import config
     from cuflash2.cli import main
 

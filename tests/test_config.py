@@ -100,16 +100,36 @@ def test_short_id_is_unique_and_readable():
 
 
 def test_short_causal_tile_only_where_measured():
-    """Causal calls up to FWD_SHORT_SEQLEN query rows take FA2's 64x64 4-warp tile at head dim 256 on
-    sm_90 (measured faster there); every other call keeps its tile, and the tile is compiled ahead."""
-    short = forward_config(256, "bf16", True, 90, seqlen_q=config.FWD_SHORT_SEQLEN)
+    """Causal calls whose query and key lengths are both up to FWD_SHORT_SEQLEN take FA2's 64x64
+    4-warp tile at head dim 256 on sm_90 (measured faster there); every other call keeps its tile,
+    and the tile is compiled ahead."""
+    short = forward_config(256, "bf16", True, 90, seqlen=config.FWD_SHORT_SEQLEN)
     assert (short.block_m, short.block_n, short.warps) == (64, 64, 4)
     assert short in all_forward_configs(90)
-    assert forward_config(256, "bf16", True, 90, seqlen_q=config.FWD_SHORT_SEQLEN + 1) == forward_config(
+    assert forward_config(256, "bf16", True, 90, seqlen=config.FWD_SHORT_SEQLEN + 1) == forward_config(
         256, "bf16", True, 90)
-    for args in ((256, "bf16", False, 90), (128, "bf16", True, 90), (256, "bf16", True, 80), (256, "fp16", True, 86)):
-        assert forward_config(*args, seqlen_q=512) == forward_config(*args)
-    assert forward_config(256, "bf16", True, 90, True, seqlen_q=512) == forward_config(256, "bf16", True, 90, True)
+    for args in ((256, "bf16", False, 90), (128, "bf16", True, 90), (256, "bf16", True, 80), (256, "fp16", True, 86),
+                 (256, "bf16", True, 100)):
+        assert forward_config(*args, seqlen=512) == forward_config(*args)
+    assert forward_config(256, "bf16", True, 90, True, seqlen=512) == forward_config(256, "bf16", True, 90, True)
+
+
+def test_forward_launch_picks_the_tile_by_the_longer_sequence(monkeypatch):
+    """A short query against long keys (chunked prefill) has long blocks: it keeps the long tile."""
+    from cuflash2 import launch
+    from cuflash2.validate import AttentionShape, contiguous_info
+
+    monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
+    monkeypatch.setattr(launch, "_slots", lambda config, device_id: 264)
+    sent = []
+    monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args: sent.append(config))
+    for seqlen_q, seqlen_k in ((1024, 1024), (1024, 16384)):
+        q = contiguous_info((1, seqlen_q, 8, 256), "bfloat16", 2)
+        kv = contiguous_info((1, seqlen_k, 8, 256), "bfloat16", 2)
+        lse = contiguous_info((1, 8, seqlen_q), "float32", 4)
+        shape = AttentionShape(1, seqlen_q, seqlen_k, 8, 8, 256, "bfloat16", 0.0625)
+        launch.forward(q, kv, kv, q, lse, shape, True, 0, None)
+    assert [c.block_m for c in sent] == [64, 128]
 
 
 def test_variant_configs_mirror_the_plain_ones():
@@ -118,7 +138,7 @@ def test_variant_configs_mirror_the_plain_ones():
     for arch in (80, 86, 90):
         configs = all_forward_configs(arch)
         short = [c for d in config.HEAD_DIM_BUCKETS for t in config.DTYPES
-                 if (c := forward_config(d, t, True, arch, seqlen_q=config.FWD_SHORT_SEQLEN)) != forward_config(d, t, True, arch)]
+                 if (c := forward_config(d, t, True, arch, seqlen=config.FWD_SHORT_SEQLEN)) != forward_config(d, t, True, arch)]
         plain = [c for c in configs if not c.variant and c not in short]  # short-sequence tiles: plain only
         variant = [c for c in configs if c.variant]
         assert len(plain) == len(variant) == len(config.HEAD_DIM_BUCKETS) * 2 * 2

@@ -182,3 +182,15 @@ def test_jax_roundtrip():
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) / 8.0
     ref = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v.astype(jnp.float32))
     assert float(jnp.abs(out.astype(jnp.float32) - ref).max()) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("seqlens", [(2048, 2048), (2304, 2304), (1024, 2304)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_causal_head_dim_256_tiles_on_both_sides_of_the_short_limit(seqlens, dtype):
+    """Causal head dim 256 switches tiles at FWD_SHORT_SEQLEN (the longer of the two lengths; 64x64
+    on sm_90 up to it, 128x64 beyond): both tiles, in the grouped grid order, against the reference."""
+    import cupy as cp
+
+    sq, sk = seqlens
+    q, k, v = make_inputs(cp, 1, sq, sk, 3, 3, 256, dtype, stable_seed("short-limit", sq, sk, dtype))
+    check_forward(cp, q, k, v, True)
