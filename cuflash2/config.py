@@ -298,15 +298,19 @@ _FWD_SHORT_CAUSAL_TILES_SM90 = {256: (64, 64, 4, 2)}
 FWD_SHORT_SEQLEN = 2048
 
 
-@functools.lru_cache(maxsize=4096)
 def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool = False,
                    seqlen: int | None = None) -> KernelConfig:
     """Tile shape for the forward kernel on compute capability `arch` (`variant`: the kernel with
     varlen / window / softcap / ALiBi support; `seqlen`, the longer of the call's query and key
     lengths when known, picks the short-sequence tile of causal calls)."""
+    return _forward_config(head_dim, dtype, causal, arch, variant, seqlen is not None and seqlen <= FWD_SHORT_SEQLEN)
+
+
+@functools.lru_cache(maxsize=4096)  # keyed on short, not the length: every length shares two entries
+def _forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool, short: bool) -> KernelConfig:
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
-    short_causal = causal and not variant and arch == 90 and seqlen is not None and seqlen <= FWD_SHORT_SEQLEN
+    short_causal = short and causal and not variant and arch == 90
     if short_causal and bucket in _FWD_SHORT_CAUSAL_TILES_SM90:
         tiles = _FWD_SHORT_CAUSAL_TILES_SM90[bucket]
     elif _large_smem(arch):
