@@ -296,6 +296,11 @@ _FWD_VARIANT_TILES_SMALL_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2),
 # counts too.
 _FWD_SHORT_CAUSAL_TILES_SM90 = {256: (64, 64, 4, 2)}
 FWD_SHORT_SEQLEN = 2048
+# Non-causal head dim 256 on sm_90 takes the same tile at every length: measured 1.035x (seqlen
+# 512), 1.05x (2k), 1.02x (4k), 1.017x (8k) and 1.007x (16k) the 128x64 8-warp tile (H200, kernels
+# alone, rotating rounds; BENCHMARKS.md, performance log item 36). Every key block is full there,
+# so two 4-warp blocks per SM keep the tensor cores busier than one 8-warp block.
+_FWD_FULL_TILES_SM90 = {256: (64, 64, 4, 2)}
 
 
 def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool = False,
@@ -310,9 +315,11 @@ def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: 
 def _forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool, short: bool) -> KernelConfig:
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
-    short_causal = short and causal and not variant and arch == 90
-    if short_causal and bucket in _FWD_SHORT_CAUSAL_TILES_SM90:
+    plain_sm90 = not variant and arch == 90
+    if plain_sm90 and short and causal and bucket in _FWD_SHORT_CAUSAL_TILES_SM90:
         tiles = _FWD_SHORT_CAUSAL_TILES_SM90[bucket]
+    elif plain_sm90 and not causal and bucket in _FWD_FULL_TILES_SM90:
+        tiles = _FWD_FULL_TILES_SM90[bucket]
     elif _large_smem(arch):
         tiles = ((_FWD_VARIANT_TILES_LARGE_SMEM.get(bucket) if variant else None)
                  or _FWD_TILES_LARGE_SMEM[bucket])

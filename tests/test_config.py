@@ -114,6 +114,18 @@ def test_short_causal_tile_only_where_measured():
     assert forward_config(256, "bf16", True, 90, True, seqlen=512) == forward_config(256, "bf16", True, 90, True)
 
 
+def test_non_causal_head_dim_256_tile_on_sm90_only():
+    """Non-causal head dim 256 takes the 64x64 4-warp tile on sm_90 at every length (measured
+    faster there); other archs, the variant kernel and causal calls above the short limit keep theirs."""
+    for seqlen in (None, 512, 16384):
+        c = forward_config(256, "fp16", False, 90, seqlen=seqlen)
+        assert (c.block_m, c.block_n, c.warps, c.stages) == (64, 64, 4, 2), c.short_id()
+    assert forward_config(256, "bf16", False, 80).block_m == 128
+    assert forward_config(256, "bf16", False, 90, variant=True).block_n == 32
+    assert forward_config(256, "bf16", True, 90).block_m == 128
+    assert forward_config(256, "bf16", False, 90) in all_forward_configs(90)
+
+
 def test_forward_launch_picks_the_tile_by_the_longer_sequence(monkeypatch):
     """A short query against long keys (chunked prefill) has long blocks: it keeps the long tile."""
     from cuflash2 import launch
