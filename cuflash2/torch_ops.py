@@ -3,6 +3,11 @@
 Imported only when a torch tensor is passed in. Outputs are allocated by torch (its caching
 allocator), kernels run on torch's current stream, and the ops have fake (meta) implementations, so
 torch.compile(fullgraph=True) can trace through them.
+
+Eager calls (not under torch.compile) take a torch.autograd.Function around the same
+implementations instead: the custom-op dispatch with registered autograd costs about 170-180 us of
+Python per differentiable call, the Function 25-34 us (tests/bench_torch_dispatch.py, CPU), which
+at short sequences is more than the kernels take. Both paths run the same code on the same stream.
 """
 
 from __future__ import annotations
@@ -14,10 +19,14 @@ from . import api, backward, varlen
 from .validate import softmax_scale_or_default
 
 
-@torch.library.custom_op("cuflash2::flash_attn_fwd", mutates_args=(), device_types="cuda")
-def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int,
-                    window_right: int, softcap: float, alibi_slopes: Tensor | None, dropout_p: float,
-                    dropout_seed: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+def _compiling() -> bool:
+    """Whether torch.compile is tracing this call (then the custom ops, which it can see through)."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling and is_compiling())
+
+
+def _fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
+              dropout_seed, deterministic):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     api.forward_into(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
@@ -26,17 +35,22 @@ def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causa
     return out, lse
 
 
+@torch.library.custom_op("cuflash2::flash_attn_fwd", mutates_args=(), device_types="cuda")
+def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int,
+                    window_right: int, softcap: float, alibi_slopes: Tensor | None, dropout_p: float,
+                    dropout_seed: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+    return _fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                     dropout_seed, deterministic)
+
+
 @_flash_attn_fwd.register_fake
 def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed,
       deterministic):
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("cuflash2::flash_attn_bwd", mutates_args=(), device_types="cuda")
-def _flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
-                    causal: bool, window_left: int, window_right: int, softcap: float,
-                    alibi_slopes: Tensor | None, dropout_p: float, dropout_seed: int,
-                    deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+              dropout_p, dropout_seed, deterministic):
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     backward.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                  window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
@@ -45,10 +59,30 @@ def _flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     return dq, dk, dv
 
 
+@torch.library.custom_op("cuflash2::flash_attn_bwd", mutates_args=(), device_types="cuda")
+def _flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
+                    causal: bool, window_left: int, window_right: int, softcap: float,
+                    alibi_slopes: Tensor | None, dropout_p: float, dropout_seed: int,
+                    deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                     dropout_p, dropout_seed, deterministic)
+
+
 @_flash_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
       dropout_seed, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _kernel_ready(grad: Tensor) -> Tensor:
+    """The incoming gradient as the kernels read it (unit last stride, 16-byte aligned base and rows).
+    Autograd hands over whatever layout the next op produced (a view at an odd offset, an expanded
+    one from out.sum()), and the caller has no say in it: copy instead of the alignment error that
+    an explicit flash_attn_backward call gets."""
+    per_chunk = 16 // grad.element_size()
+    strides_ok = grad.stride(-1) == 1 and all(
+        stride % per_chunk == 0 for size, stride in zip(grad.shape[:-1], grad.stride()[:-1]) if size > 1)
+    return grad if strides_ok and grad.data_ptr() % 16 == 0 else grad.contiguous()
 
 
 def _setup_context(ctx, inputs, output):
@@ -60,22 +94,41 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):  # the LSE output is not differentiated (as in FA2)
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options)
+    dq, dk, dv = _flash_attn_bwd(_kernel_ready(dout), q, k, v, out, lse, *ctx.options)
     return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
 _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The eager-mode twin of the custom op above: same implementation, same saved tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *options):
+        out, lse = _fwd_impl(q, k, v, *options)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = options
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _bwd_impl(_kernel_ready(dout), q, k, v, out, lse, *ctx.options)
+        return (dq, dk, dv) + (None,) * len(ctx.options)
+
+
 def forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic, out=None,
             dropout=(0.0, 0, 0)):
-    """(out, softmax_lse) through the custom op; differentiable with respect to q, k, v (not the
+    """(out, softmax_lse) through the custom op (torch.compile) or its eager twin; differentiable with respect to q, k, v (not the
     ALiBi slopes, as in FA2)."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes: expected a torch tensor like q, got {type(alibi_slopes).__name__}")
-    result, lse = _flash_attn_fwd(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
-                                  alibi_slopes, float(dropout[0]), int(dropout[1]), bool(deterministic))
+    op = _flash_attn_fwd if _compiling() else _EagerAttention.apply
+    result, lse = op(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
+                     float(dropout[0]), int(dropout[1]), bool(deterministic))
     if out is not None:
         out.copy_(result)
         result = out
@@ -84,11 +137,8 @@ def forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deter
 
 # ---- varlen ---------------------------------------------------------------------------------------
 
-@torch.library.custom_op("cuflash2::flash_attn_varlen_fwd", mutates_args=(), device_types="cuda")
-def _flash_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                           max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
-                           window_right: int, softcap: float, alibi_slopes: Tensor | None, dropout_p: float,
-                           dropout_seed: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out, lse = varlen.flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 softmax_scale, causal, (window_left, window_right), softcap,
@@ -97,9 +147,28 @@ def _flash_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     return out, lse
 
 
+@torch.library.custom_op("cuflash2::flash_attn_varlen_fwd", mutates_args=(), device_types="cuda")
+def _flash_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+                           window_right: int, softcap: float, alibi_slopes: Tensor | None, dropout_p: float,
+                           dropout_seed: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+    return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                            window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic)
+
+
 @_flash_attn_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    varlen.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
+                                      deterministic, dq=dq, dk=dk, dv=dv, dropout_p=dropout_p,
+                                      dropout_seed=dropout_seed)
+    return dq, dk, dv
 
 
 @torch.library.custom_op("cuflash2::flash_attn_varlen_bwd", mutates_args=(), device_types="cuda")
@@ -108,12 +177,9 @@ def _flash_attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                            softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
                            alibi_slopes: Tensor | None, dropout_p: float, dropout_seed: int,
                            deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    varlen.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
-                                      deterministic, dq=dq, dk=dk, dv=dv, dropout_p=dropout_p,
-                                      dropout_seed=dropout_seed)
-    return dq, dk, dv
+    return _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                            dropout_seed, deterministic)
 
 
 @_flash_attn_varlen_bwd.register_fake
@@ -130,23 +196,42 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+    dq, dk, dv = _flash_attn_varlen_bwd(_kernel_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
     return (dq, dk, dv, None, None) + (None,) * len(ctx.options)
 
 
 _flash_attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
+class _EagerVarlenAttention(torch.autograd.Function):
+    """The eager-mode twin of the varlen custom op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+        out, lse = _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.options = options
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv = _varlen_bwd_impl(_kernel_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+        return (dq, dk, dv, None, None) + (None,) * len(ctx.options)
+
+
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
                    softcap, alibi_slopes, deterministic, out=None, dropout=(0.0, 0, 0)):
-    """(out, softmax_lse) of a varlen call through the custom op; differentiable w.r.t. q, k, v."""
+    """(out, softmax_lse) of a varlen call through the custom op or its eager twin; differentiable w.r.t. q, k, v."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes)):
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor like q, got {type(x).__name__}")
-    result, lse = _flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                         scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
-                                         alibi_slopes, float(dropout[0]), int(dropout[1]), bool(deterministic))
+    op = _flash_attn_varlen_fwd if _compiling() else _EagerVarlenAttention.apply
+    result, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
+                     int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout[0]), int(dropout[1]),
+                     bool(deterministic))
     if out is not None:
         out.copy_(result)
         result = out
