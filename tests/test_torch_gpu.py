@@ -131,17 +131,28 @@ def test_eager_varlen_path_matches_the_custom_op_bitwise(monkeypatch):
         assert torch.equal(a, b)
 
 
+def _sum(out):
+    return out.sum()
+
+
+def _after_one_element(out):
+    """A loss whose gradient reaches out as a view 2 bytes into a buffer (CatBackward narrows)."""
+    return torch.cat([out.new_zeros(1), out.flatten()]).float().square().sum() / 2
+
+
+@pytest.mark.parametrize("loss", [_sum, _after_one_element], ids=["expanded", "odd-offset"])
 @pytest.mark.parametrize("compiling", [False, True], ids=["eager", "custom-op"])
-def test_backward_of_an_expanded_gradient(monkeypatch, compiling):
-    """out.sum() hands the backward a gradient of stride 0 everywhere: it is made dense first."""
+def test_backward_of_gradients_in_any_layout(monkeypatch, compiling, loss):
+    """Autograd passes the gradient in whatever layout the next op made (stride 0 everywhere from
+    out.sum(), a misaligned view from a cat): both reach the kernels, as the reference says."""
     import cuflash2
     from cuflash2 import torch_ops
 
     monkeypatch.setattr(torch_ops, "_compiling", lambda: compiling)
     torch.manual_seed(3)
     q, k, v = (torch.randn(1, 96, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
-    cuflash2.flash_attn_func(q, k, v, causal=True).sum().backward()
+    loss(cuflash2.flash_attn_func(q, k, v, causal=True)).backward()
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    reference(q32, k32, v32, True).sum().backward()
+    loss(reference(q32, k32, v32, True)).backward()
     for got, want in ((q.grad, q32.grad), (k.grad, k32.grad), (v.grad, v32.grad)):
         assert (got.float() - want).abs().max().item() < 2e-2 * max(1.0, want.abs().max().item())
