@@ -44,6 +44,16 @@ CF_DEVICE void store_fragment_rows(const float (&acc)[kMT][kTiles][4], void* out
         }
 }
 
+// Half of one query block's stage: the rows [row0, row0 + kBlockM) of Q or dO into `tile`
+// (zero-filled from rows_left on) and the block's LSE or D values (fp32, kBlockM) into `values`.
+template <int kBlockM, int kThreads, class QLoader>
+CF_DEVICE void load_query_half(u32 tile, u32 values, const QLoader& loader, const u16* rows, const float* values_head,
+                               int row0, int rows_left, int head_dim, int tid) {
+    loader.load(tile, rows, rows_left, head_dim);
+    for (int row = tid; row < kBlockM; row += kThreads)
+        cp_async_4(values + row * 4, row < rows_left ? values_head + row0 + row : values_head, row < rows_left);
+}
+
 // One query block's stage: Q and dO rows [row0, row0 + kBlockM) (zero-filled from rows_left on),
 // then the block's LSE and D values (fp32, kBlockM each) right after the two tiles.
 template <class QTile, int kBlockM, int kThreads, class QLoader>

@@ -119,10 +119,6 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     const int m_end = mask.query_block_end(n_block, kBlockM, kBlockN);
 
     // K and V stay resident; Q, dO and their row vectors (LSE, D) stream through two stages.
-    TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, k_row_stride)
-        .load(k_smem, k + batch * k_batch_stride + kv_head * k_head_stride + (i64)key0 * k_row_stride, keys_left, head_dim);
-    TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, v_row_stride)
-        .load(v_smem, v + batch * v_batch_stride + kv_head * v_head_stride + (i64)key0 * v_row_stride, keys_left, head_dim);
     auto load_query_block = [&](int m_block) {
         if (m_block < m_end) {
             // Loaders built per call: their per-thread offsets are cheap to recompute and would
@@ -141,7 +137,26 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         }
         cp_async_commit();
     };
-    load_query_block(m_begin);  // K and V ride in the same group
+    // Prologue in two groups: K with the first block's Q and LSE (all that S^T and P^T need), then
+    // V with its dO and D, which land while the first S^T product runs.
+    if (m_begin < m_end) {
+        const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> q_loader(tid, q_row_stride);
+        const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> do_loader(tid, do_row_stride);
+        const int row0 = m_begin * kBlockM, rows_left = seq.seqlen_q - row0;
+        const u32 values = stage0 + 2 * Tr::QTile::kBytes;  // LSE, then D
+        TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, k_row_stride)
+            .load(k_smem, k + batch * k_batch_stride + kv_head * k_head_stride + (i64)key0 * k_row_stride, keys_left, head_dim);
+        load_query_half<kBlockM, Tr::kThreads>(stage0, values, q_loader,
+                                               q + batch * q_batch_stride + head * q_head_stride + (i64)row0 * q_row_stride,
+                                               lse + seq.lse_offset(head), row0, rows_left, head_dim, tid);
+        cp_async_commit();
+        TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, v_row_stride)
+            .load(v_smem, v + batch * v_batch_stride + kv_head * v_head_stride + (i64)key0 * v_row_stride, keys_left, head_dim);
+        load_query_half<kBlockM, Tr::kThreads>(stage0 + Tr::QTile::kBytes, values + kBlockM * 4, do_loader,
+                                               dout + batch * do_batch_stride + head * do_head_stride + (i64)row0 * do_row_stride,
+                                               delta + seq.lse_offset(head), row0, rows_left, head_dim, tid);
+        cp_async_commit();
+    }
 
     float acc_dk[2][Tr::kDTiles][4], acc_dv[2][Tr::kDTiles][4];
     zero_acc(acc_dk);
@@ -167,7 +182,8 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         const u32 q_smem = stage0 + (it % 2) * Tr::kQStageBytes, do_smem = q_smem + Tr::QTile::kBytes;
         const float* lse_rows = reinterpret_cast<const float*>(smem + (q_smem - k_smem) + 2 * Tr::QTile::kBytes);
         const float* delta_rows = lse_rows + kBlockM;
-        cp_async_wait<0>();
+        if (it == 0) cp_async_wait<1>();  // K, Q and LSE (the prologue's first group)
+        else cp_async_wait<0>();
         __syncthreads();  // this stage has landed; P^T / dS^T are free again (and the other stage,
                           // unless it holds the previous block's dQ: kDqInStage)
         if (it > 0) dq_stage.issue(dq_stage.buffer(it - 1), dq_block(m_block - 1), tid);
@@ -226,6 +242,10 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
             for (int np = 0; np < Tr::kSTiles / 2; ++np) stmatrix_x4(pt_frag.at(mt * 16, 2 * np), p16[mt][np].r);
         // dP^T = V dO^T, then dS^T = P^T * (dP^T - D), to shared memory as well (dS uses the same
         // rounded P as dV).
+        if (it == 0) {  // V, dO and D, the prologue's second group
+            cp_async_wait<0>();
+            __syncthreads();
+        }
         float ds[2][Tr::kSTiles][4];
         zero_acc(ds);
         gemm_abt<T, 2, Tr::kSTiles, kHeadDim / 16>(
