@@ -51,6 +51,7 @@ def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
               dropout_p, dropout_seed, deterministic):
+    dout = _kernel_ready(dout)  # here, not in the autograd formula: torch.compile traces that with fake tensors
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     backward.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                  window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
@@ -82,7 +83,8 @@ def _kernel_ready(grad: Tensor) -> Tensor:
     per_chunk = 16 // grad.element_size()
     strides_ok = grad.stride(-1) == 1 and all(
         stride % per_chunk == 0 for size, stride in zip(grad.shape[:-1], grad.stride()[:-1]) if size > 1)
-    return grad if strides_ok and grad.data_ptr() % 16 == 0 else grad.contiguous()
+    # clone, not contiguous(): a dense view at an odd offset counts as contiguous already
+    return grad if strides_ok and grad.data_ptr() % 16 == 0 else grad.clone(memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
@@ -94,7 +96,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):  # the LSE output is not differentiated (as in FA2)
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_bwd(_kernel_ready(dout), q, k, v, out, lse, *ctx.options)
+    dq, dk, dv = _flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options)
     return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
@@ -115,7 +117,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd_impl(_kernel_ready(dout), q, k, v, out, lse, *ctx.options)
+        dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, *ctx.options)
         return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
@@ -163,6 +165,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options)
 
 def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                      causal, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
+    dout = _kernel_ready(dout)
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     varlen.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
@@ -196,7 +199,7 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_varlen_bwd(_kernel_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+    dq, dk, dv = _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
     return (dq, dk, dv, None, None) + (None,) * len(ctx.options)
 
 
@@ -217,7 +220,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        dq, dk, dv = _varlen_bwd_impl(_kernel_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+        dq, dk, dv = _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
         return (dq, dk, dv, None, None) + (None,) * len(ctx.options)
 
 
