@@ -91,6 +91,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     // at head dims 64 and 128 once the P^T / dS^T stores (stmatrix) and the loop-invariant addresses
     // stopped taking registers (BENCHMARKS.md, log item 26). Head dim 192 has 6 tiles per warp.
     constexpr int kDqChunk = Tr::kDqTiles % 4 == 0 ? 4 : 2;
+    constexpr bool kSplitPrologue = kCausal || kHeadDim > 128;  // (see the prologue)
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int key_group = warp % Tr::kKeyGroups, col_group = warp / Tr::kKeyGroups;
@@ -137,9 +138,12 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         }
         cp_async_commit();
     };
-    // Prologue in two groups: K with the first block's Q and LSE (all that S^T and P^T need), then
-    // V with its dO and D, which land while the first S^T product runs.
-    if (m_begin < m_end) {
+    // Prologue in two groups (kSplitPrologue): K with the first block's Q and LSE (all that S^T and
+    // P^T need), then V with its dO and D, which land while the first S^T product runs. Measured
+    // 1.04-1.06x (causal) and 1.02-1.06x (head dim 256) at seqlen 512 against one group; not taken
+    // for non-causal head dims 64 and 128, whose loops the compiler then scheduled worse (0.98-0.99x
+    // at 4k; BENCHMARKS.md, performance log item 37).
+    if (kSplitPrologue && m_begin < m_end) {
         const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> q_loader(tid, q_row_stride);
         const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> do_loader(tid, do_row_stride);
         const int row0 = m_begin * kBlockM, rows_left = seq.seqlen_q - row0;
@@ -156,6 +160,12 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
                                                dout + batch * do_batch_stride + head * do_head_stride + (i64)row0 * do_row_stride,
                                                delta + seq.lse_offset(head), row0, rows_left, head_dim, tid);
         cp_async_commit();
+    } else if (!kSplitPrologue) {  // one group
+        TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, k_row_stride)
+            .load(k_smem, k + batch * k_batch_stride + kv_head * k_head_stride + (i64)key0 * k_row_stride, keys_left, head_dim);
+        TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, v_row_stride)
+            .load(v_smem, v + batch * v_batch_stride + kv_head * v_head_stride + (i64)key0 * v_row_stride, keys_left, head_dim);
+        load_query_block(m_begin);
     }
 
     float acc_dk[2][Tr::kDTiles][4], acc_dv[2][Tr::kDTiles][4];
@@ -182,7 +192,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         const u32 q_smem = stage0 + (it % 2) * Tr::kQStageBytes, do_smem = q_smem + Tr::QTile::kBytes;
         const float* lse_rows = reinterpret_cast<const float*>(smem + (q_smem - k_smem) + 2 * Tr::QTile::kBytes);
         const float* delta_rows = lse_rows + kBlockM;
-        if (it == 0) cp_async_wait<1>();  // K, Q and LSE (the prologue's first group)
+        if (kSplitPrologue && it == 0) cp_async_wait<1>();  // K, Q and LSE (the prologue's first group)
         else cp_async_wait<0>();
         __syncthreads();  // this stage has landed; P^T / dS^T are free again (and the other stage,
                           // unless it holds the previous block's dQ: kDqInStage)
@@ -242,7 +252,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
             for (int np = 0; np < Tr::kSTiles / 2; ++np) stmatrix_x4(pt_frag.at(mt * 16, 2 * np), p16[mt][np].r);
         // dP^T = V dO^T, then dS^T = P^T * (dP^T - D), to shared memory as well (dS uses the same
         // rounded P as dV).
-        if (it == 0) {  // V, dO and D, the prologue's second group
+        if (kSplitPrologue && it == 0) {  // V, dO and D, the prologue's second group
             cp_async_wait<0>();
             __syncthreads();
         }
