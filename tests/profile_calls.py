@@ -1,7 +1,8 @@
 """Host-side cost of one call (what a decoding loop pays per token): wall time per call for
 back-to-back calls with CuPy's launcher, with the packed-argument launch and (decoding) with the
 fast path of a known call signature, and a cProfile (of the last) of where
-the Python time goes. Usage: python tests/profile_calls.py [decode|decode-torch|forward ...]"""
+the Python time goes. Usage: python tests/profile_calls.py
+[decode|decode-torch|forward|forward-torch|train-torch ...]"""
 
 import cProfile
 import pstats
@@ -68,6 +69,31 @@ def profile(name, fn):
     pstats.Stats(stats).sort_stats("cumulative").print_stats(30)
 
 
-calls = {"decode": decode_call, "decode-torch": decode_torch_call, "forward": forward_call}
+def forward_torch_call():
+    """A forward on torch tensors at FA2's grid point seqlen 512, head dim 128, causal (no gradients)."""
+    import torch
+
+    q, k, v = (torch.randn(32, 512, 16, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    return lambda: cuflash2.flash_attn_func(q, k, v, causal=True)
+
+
+def train_torch_call():
+    """A training step (forward + backward through autograd) at the same point."""
+    import torch
+
+    q, k, v = (torch.randn(32, 512, 16, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn_like(q)
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        cuflash2.flash_attn_func(q, k, v, causal=True).backward(grad)
+
+    return step
+
+
+calls = {"decode": decode_call, "decode-torch": decode_torch_call, "forward": forward_call,
+         "forward-torch": forward_torch_call, "train-torch": train_torch_call}
 for mode in sys.argv[1:] or ["decode"]:
     profile(mode, calls[mode]())
