@@ -44,6 +44,24 @@ CF_DEVICE void store_fragment_rows(const float (&acc)[kMT][kTiles][4], void* out
         }
 }
 
+// A warp's 32-row accumulator block (2 x kTiles 16x8 fragments: rows row0 + [0, 32), columns from
+// chunk `chunk0`) scaled, rounded to T and written into a swizzled shared tile with stmatrix, for a
+// block-wide 16-byte store afterwards (store_tile).
+template <class T, class Tile, int kTiles>
+CF_DEVICE void stage_fragments(u32 tile, const float (&acc)[2][kTiles][4], int row0, int chunk0, float scale,
+                               int lane) {
+    const OffsetCursor<Tile> cur = offset_columns<kTiles>(LdsmCursor<Tile>(tile, row0 + lane % 16, lane / 16), chunk0);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int np = 0; np < kTiles / 2; ++np) {
+            float lo[4], hi[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) lo[i] = acc[mt][2 * np][i] * scale, hi[i] = acc[mt][2 * np + 1][i] * scale;
+            stmatrix_x4(cur.cursor.at(mt * 16, cur.chunk0 + 2 * np), pack_tile_pair<T>(lo, hi).r);
+        }
+}
+
 // Half of one query block's stage: the rows [row0, row0 + kBlockM) of Q or dO into `tile`
 // (zero-filled from rows_left on) and the block's LSE or D values (fp32, kBlockM) into `values`.
 template <int kBlockM, int kThreads, class QLoader>

@@ -341,7 +341,8 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     const int tid_e = opaque_int(threadIdx.x), lane_e = tid_e % 32, warp_e = tid_e / 32;
     const Grid at_e = Grid::at(opaque_int(blockIdx.x), opaque_int(blockIdx.y), opaque_int(blockIdx.z), nheads);
     const int head_e = at_e.head, batch_e = at_e.batch;
-    const int row0 = at_e.block * kBlockN + (warp_e % Tr::kKeyGroups) * Tr::kWarpKeys;
+    const int key0_e = at_e.block * kBlockN, warp_row0 = (warp_e % Tr::kKeyGroups) * Tr::kWarpKeys;
+    const int row0 = key0_e + warp_row0;
     const int col0 = (warp_e / Tr::kKeyGroups) * (kHeadDim / Tr::kColGroups);
     if (kFloatDkv) {
         const i64 rs = (i64)Grid::heads(nheads) * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
@@ -349,10 +350,22 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         store_fragment_rows<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seqlen_k, col0, head_dim, softmax_scale, lane_e);
         store_fragment_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seqlen_k, col0, head_dim, 1.f, lane_e);
     } else {
+        // Staged through the K and V tiles (free once every warp is past the last dQ product; with
+        // no query block, once the prologue's copies have landed) and stored with 16-byte writes:
+        // stored straight from the fragments, each 32-byte sector took two 16-byte halves (ncu at
+        // seqlen 512, where the epilogue weighs most: half of every stored sector unused).
+        cp_async_wait<0>();
+        __syncthreads();
+        const int chunk0 = col0 / 8;
+        stage_fragments<T, typename Tr::KTile>(k_smem, acc_dk, warp_row0, chunk0, softmax_scale, lane_e);
+        stage_fragments<T, typename Tr::KTile>(v_smem, acc_dv, warp_row0, chunk0, 1.f, lane_e);
+        __syncthreads();
         const int kv_head_e = head_e / kv_group;
-        u16* dk_seq = static_cast<u16*>(dk) + batch_e * dk_batch_stride + kv_head_e * dk_head_stride;
-        u16* dv_seq = static_cast<u16*>(dv) + batch_e * dv_batch_stride + kv_head_e * dv_head_stride;
-        store_fragment_rows<T, false>(acc_dk, dk_seq, dk_row_stride, row0, seqlen_k, col0, head_dim, softmax_scale, lane_e);
-        store_fragment_rows<T, false>(acc_dv, dv_seq, dv_row_stride, row0, seqlen_k, col0, head_dim, 1.f, lane_e);
+        u16* dk_rows = static_cast<u16*>(dk) + batch_e * dk_batch_stride + kv_head_e * dk_head_stride + (i64)key0_e * dk_row_stride;
+        u16* dv_rows = static_cast<u16*>(dv) + batch_e * dv_batch_stride + kv_head_e * dv_head_stride + (i64)key0_e * dv_row_stride;
+        store_tile<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(smem, 0, dk_rows, dk_row_stride, seqlen_k - key0_e,
+                                                                        head_dim, tid_e);
+        store_tile<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(smem + Tr::KTile::kBytes, 0, dv_rows, dv_row_stride,
+                                                                        seqlen_k - key0_e, head_dim, tid_e);
     }
 }
