@@ -140,7 +140,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     };
     // Prologue in two groups (kSplitPrologue): K with the first block's Q and LSE (all that S^T and
     // P^T need), then V with its dO and D, which land while the first S^T product runs. Measured
-    // 1.04-1.06x (causal) and 1.02-1.06x (head dim 256) at seqlen 512 against one group; not taken
+    // about 1.01x (1.01-1.03x at head dim 256) from seqlen 512 to 8k against one group; not taken
     // for non-causal head dims 64 and 128, whose loops the compiler then scheduled worse (0.98-0.99x
     // at 4k; BENCHMARKS.md, performance log item 37).
     if (kSplitPrologue && m_begin < m_end) {
