@@ -25,6 +25,18 @@ def _compiling() -> bool:
     return bool(is_compiling and is_compiling())
 
 
+def _use_custom_op(q: Tensor) -> bool:
+    """The custom ops under torch.compile, and for meta or fake tensors traced without it (make_fx,
+    FakeTensorMode), which only their fake implementations can take; the eager Functions otherwise."""
+    if _compiling() or q.is_meta:
+        return True
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # a private module: without it, no fake tensors to recognise
+        return False
+    return isinstance(q, FakeTensor)
+
+
 def _fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
               dropout_seed, deterministic):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -115,6 +127,7 @@ class _EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward (it would silently drop terms)
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, *ctx.options)
@@ -128,7 +141,7 @@ def forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deter
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes: expected a torch tensor like q, got {type(alibi_slopes).__name__}")
-    op = _flash_attn_fwd if _compiling() else _EagerAttention.apply
+    op = _flash_attn_fwd if _use_custom_op(q) else _EagerAttention.apply
     result, lse = op(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
                      float(dropout[0]), int(dropout[1]), bool(deterministic))
     if out is not None:
@@ -218,6 +231,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward (it would silently drop terms)
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         dq, dk, dv = _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
@@ -231,7 +245,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes)):
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor like q, got {type(x).__name__}")
-    op = _flash_attn_varlen_fwd if _compiling() else _EagerVarlenAttention.apply
+    op = _flash_attn_varlen_fwd if _use_custom_op(q) else _EagerVarlenAttention.apply
     result, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
                      int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout[0]), int(dropout[1]),
                      bool(deterministic))

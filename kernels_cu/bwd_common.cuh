@@ -6,6 +6,7 @@
 #include "ptx.cuh"
 #include "smem_tile.cuh"
 #include "variant.cuh"
+#include "warp_gemm.cuh"
 
 #define CF_BWD_MAIN_PARAMS                                                                                   \
     const u16 *__restrict__ q, const u16 *__restrict__ k, const u16 *__restrict__ v,                        \

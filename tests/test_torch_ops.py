@@ -120,3 +120,20 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_read(make, copied):
     ready = torch_ops._kernel_ready(grad)
     assert (ready is not grad) == copied
     assert torch.equal(ready, grad) and ready.stride(-1) == 1
+
+
+def test_meta_tensors_take_the_custom_ops_fake_implementation():
+    """Tracing without torch.compile (make_fx, meta tensors) reaches the ops' fake kernels."""
+    q, k, v = (torch.empty(2, 16, 4, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    out, lse = torch_ops.forward(q, k, v, None, True, (-1, -1), 0.0, None, False)
+    assert out.is_meta and out.shape == q.shape and out.dtype == q.dtype
+    assert lse.is_meta and lse.shape == (2, 4, 16) and lse.dtype == torch.float32
+
+
+def test_no_double_backward_through_the_eager_path(recorded):
+    q, k, v = _inputs()
+    out = cuflash2.flash_attn_func(q, k, v)
+    # the gradient reaching the backward (2 out) depends on q: a second derivative would exist
+    (dq,) = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(dq.float().sum(), q)
