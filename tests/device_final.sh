@@ -5,12 +5,20 @@
 #   PART=sanitize  compute-sanitizer over every kernel family, then the decode benchmark once more
 #   PART=grid      FA2's grid (forward and backward, GRID_DIMS / GRID_SEQLENS) next to torch's flash
 #                  and cuDNN backends, then compute-sanitizer over every kernel family (no decoding)
+#   PART=all       the GPU suite, FA2's whole grid (seqlen 512-16k unless GRID_SEQLENS) and the
+#                  sanitizer, no decoding: about 8 minutes on an H200, one call
 # Logs under $OUT.
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-if [[ "${PART:-suite}" == suite ]]; then
+if [[ "${PART:-suite}" == all ]]; then
+    SKIP_BENCH=1 OUT=$OUT bash tests/gpu_suite.sh > "$OUT/suite.out" 2>&1
+    tail -4 "$OUT/suite.out"
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20
+    PART=grid GRID_SEQLENS=${GRID_SEQLENS:-512,1024,2048,4096,8192,16384} OUT=$OUT bash "$0"
+    exit 0
+elif [[ "${PART:-suite}" == suite ]]; then
     SKIP_BENCH=1 OUT=$OUT bash tests/gpu_suite.sh > "$OUT/suite.out" 2>&1
     tail -4 "$OUT/suite.out"
     grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20
