@@ -25,16 +25,16 @@ def _compiling() -> bool:
     return bool(is_compiling and is_compiling())
 
 
+try:
+    from torch._subclasses.fake_tensor import FakeTensor
+except ImportError:  # a private module: without it, no fake tensors to recognise
+    FakeTensor = ()
+
+
 def _use_custom_op(q: Tensor) -> bool:
     """The custom ops under torch.compile, and for meta or fake tensors traced without it (make_fx,
     FakeTensorMode), which only their fake implementations can take; the eager Functions otherwise."""
-    if _compiling() or q.is_meta:
-        return True
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except ImportError:  # a private module: without it, no fake tensors to recognise
-        return False
-    return isinstance(q, FakeTensor)
+    return _compiling() or q.is_meta or isinstance(q, FakeTensor)
 
 
 def _fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
@@ -136,8 +136,8 @@ class _EagerAttention(torch.autograd.Function):
 
 def forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic, out=None,
             dropout=(0.0, 0, 0)):
-    """(out, softmax_lse) through the custom op (torch.compile) or its eager twin; differentiable with respect to q, k, v (not the
-    ALiBi slopes, as in FA2)."""
+    """(out, softmax_lse) through the custom op (torch.compile) or its eager twin; differentiable
+    with respect to q, k, v (not the ALiBi slopes, as in FA2)."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes: expected a torch tensor like q, got {type(alibi_slopes).__name__}")

@@ -160,7 +160,8 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
                                                dout + batch * do_batch_stride + head * do_head_stride + (i64)row0 * do_row_stride,
                                                delta + seq.lse_offset(head), row0, rows_left, head_dim, tid);
         cp_async_commit();
-    } else if (!kSplitPrologue) {  // one group
+    } else if (!kSplitPrologue) {  // one group (the K / V loads are spelled out in both branches:
+                                   // shared as lambdas, they changed the d128 build's machine code)
         TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, k_row_stride)
             .load(k_smem, k + batch * k_batch_stride + kv_head * k_head_stride + (i64)key0 * k_row_stride, keys_left, head_dim);
         TileLoader<typename Tr::KTile, kBlockN, kHeadDim, Tr::kThreads>(tid, v_row_stride)
