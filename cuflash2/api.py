@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
+from . import call_plans, interop, launch, reference
 from . import dropout as dropout_rng
-from . import interop, launch, reference
 from .config import MAX_GRID_YZ
 from .dropout import check_dropout
 from .features import PLAIN, Features, check_alibi, check_softcap, check_window
@@ -108,6 +108,12 @@ def flash_attn_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-
     """Forward pass returning (out, softmax_lse); the building block of the public functions.
     With dropout_p > 0, dropout_seed (and dropout_offset) must be given: pass the same to the
     backward."""
+    key = forward_plan_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
+    plan = call_plans.lookup(key) if out is None else None
+    if plan is not None:  # a call signature seen before (cuflash2.call_plans)
+        result = plan((q, k, v))
+        if result is not None:
+            return tuple(result)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":
@@ -118,7 +124,18 @@ def flash_attn_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-
         out_array, out_info = _output(call, out, shape, infos[0], q)
         lse, lse_info = call.empty((shape.batch, shape.nheads, shape.seqlen_q), "float32")
         _forward(call, infos, out_info, lse_info, shape, causal, features)
+        call_plans.register_forward(key, (q, k, v), infos, (out_info, lse_info), shape, causal, features,
+                                    call.device_id)
         return (out if out is not None else call.result(out_array)), call.result(lse)
+
+
+def forward_plan_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p):
+    """The call_plans key of a forward call as given (None when it cannot take a plan: ALiBi,
+    dropout, or arguments the key cannot hold). Raw options: the full path validates them before
+    any plan is kept under the key."""
+    if alibi_slopes is not None or type(dropout_p) not in (int, float) or dropout_p != 0:
+        return None
+    return call_plans.forward_key(q, k, v, softmax_scale, causal, window_size, softcap)
 
 
 def gpu_features(call, shape: AttentionShape, device: str, window, softcap, alibi_slopes, dropout=(0.0, 0, 0),
@@ -135,6 +152,7 @@ def gpu_features(call, shape: AttentionShape, device: str, window, softcap, alib
 def forward_into(q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  alibi_slopes=None, *, dropout_p=0.0, dropout_seed=None, dropout_offset=0) -> None:
     """Forward pass writing into caller-allocated out and softmax_lse (GPU arrays of any framework)."""
+    key = forward_plan_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     with interop.gpu_call(q) as call:
@@ -148,6 +166,8 @@ def forward_into(q, k, v, out, softmax_lse, softmax_scale=None, causal=False, wi
             raise ValueError(f"softmax_lse: expected a contiguous float32 array of shape {expected}, "
                              f"got {lse_info.dtype} {lse_info.shape}")
         _forward(call, infos, out_info, lse_info, shape, causal, features)
+        call_plans.register_forward(key, (q, k, v), infos, (out_info, lse_info), shape, causal, features,
+                                    call.device_id)
 
 
 def _validated_inputs(call, q, k, v, softmax_scale):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import interop, launch, reference
+from . import call_plans, interop, launch, reference
 from .api import _check_grid, _fill, gpu_features, numpy_alibi, numpy_dropout_mask, resolve_dropout
 from .features import check_softcap, check_window
 from .validate import AttentionShape, check_alignment, validate_qkv
@@ -25,6 +25,13 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
     as returned by flash_attn_forward. dq/dk/dv may be given to receive the results. Dropout takes
     the forward's dropout_p, dropout_seed and dropout_offset (the mask is regenerated).
     """
+    key = backward_plan_key(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, softcap,
+                            alibi_slopes, deterministic, dropout_p)
+    plan = call_plans.lookup(key) if dq is None and dk is None and dv is None else None
+    if plan is not None:  # a call signature seen before (cuflash2.call_plans)
+        result = plan((dout, q, k, v, out, softmax_lse))
+        if result is not None:
+            return tuple(result)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":
@@ -49,7 +56,18 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
         else:
             launch.backward(do_i, q_i, k_i, v_i, out_i, lse_i, *infos, shape, causal, deterministic, call.device_id,
                             call.stream, features=features)
+            call_plans.register_backward(key, (dout, q, k, v, out, softmax_lse), (do_i, q_i, k_i, v_i, out_i, lse_i),
+                                         tuple(infos), shape, causal, deterministic, features, call.device_id)
         return tuple(call.result(a) for a in arrays)
+
+
+def backward_plan_key(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic, dropout_p):
+    """The call_plans key of a backward call as given (None when it cannot take a plan)."""
+    if alibi_slopes is not None or type(dropout_p) not in (int, float) or dropout_p != 0:
+        return None
+    return call_plans.backward_key(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, softcap,
+                                   deterministic)
 
 
 def gradient_outputs(call, requests, check_like):

@@ -47,6 +47,12 @@ class Features:
                 and self.dropout_p == 0.0)
 
     @property
+    def replayable(self) -> bool:
+        """No ALiBi slopes, cu_seqlens or dropout: the kernel arguments hold no per-call address or
+        seed, so recorded launches can be replayed with new buffers (cuflash2.call_plans)."""
+        return self.alibi is None and not self.varlen and self.dropout_p == 0.0
+
+    @property
     def modifies_scores(self) -> bool:
         """Softcap or ALiBi: the kernels then compute natural-log logits before the softmax."""
         return self.softcap > 0.0 or self.alibi is not None

@@ -126,7 +126,7 @@ class _Torch:
 _frameworks: dict[str, object] = {}
 
 
-def _framework(name: str):
+def framework_ops(name: str):
     ops = _frameworks.get(name)
     if ops is None:
         ops = _frameworks[name] = _Cupy() if name == "cupy" else _Torch()
@@ -159,7 +159,7 @@ def call_key(q, arrays: tuple, options: tuple):
     kind = _kind_of(q)
     if kind is None or not all(map(_plain_option, options)):
         return None
-    ops = _framework(kind)
+    ops = framework_ops(kind)
     array_type, signature = ops.array_type, ops.signature
     sig = []
     for x in arrays:
@@ -194,7 +194,7 @@ class Step:
 
     def __init__(self, kind: str, device_id: int, out_shape: tuple, out_dtype, lse_shape: tuple,
                  return_lse: bool, regions: dict[str, int], launches: list):
-        self.ops = _framework(kind)
+        self.ops = framework_ops(kind)
         self.device_id = device_id
         self.out_shape, self.out_dtype, self.lse_shape, self.return_lse = out_shape, out_dtype, lse_shape, return_lse
         self.offsets, self.scratch_bytes = scratch_layout(regions)
@@ -234,7 +234,7 @@ def register(key, plan, infos: dict, arrays: tuple, device_id: int, q, return_ls
     """Keep a Step for this call signature, if the full path used the caller's buffers as given."""
     if key is None or not plan.launches:
         return
-    ops = _framework(key[0])
+    ops = framework_ops(key[0])
     for name, x in zip(INPUT_BUFFERS, arrays, strict=True):
         info = infos[name]
         if (x is None) != (info is None):

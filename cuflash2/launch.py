@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy as np
 
@@ -39,7 +40,27 @@ def _strides3(t: TensorInfo):
 PACKED_LAUNCH = True
 
 
+class _Recording(threading.local):
+    recorder = None  # a call_plans.Recorder while record() runs on this thread
+
+
+_recording = _Recording()
+
+
+def record(recorder, run) -> None:
+    """Run `run()` (calls of forward/backward) with `recorder` keeping their launches and scratch
+    requests instead of the GPU (call_plans records a call's launches this way)."""
+    _recording.recorder = recorder
+    try:
+        run()
+    finally:
+        _recording.recorder = None
+
+
 def _launch(config: KernelConfig, device_id: int, stream, grid, args) -> None:
+    if _recording.recorder is not None:
+        _recording.recorder.launch(config, grid, args)
+        return
     kernel = get_kernel(config, device_id)
     if PACKED_LAUNCH:
         packed_launch.launch(kernel, grid, config.threads, config.smem_bytes, stream, args)
@@ -93,6 +114,8 @@ def forward(q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: T
 
 
 def _scratch(cp, shape, dtype=np.float32, zero=False):
+    if _recording.recorder is not None:
+        return None, _recording.recorder.scratch(shape, dtype, zero)
     array = cp.zeros(shape, dtype=dtype) if zero else cp.empty(shape, dtype=dtype)
     itemsize = np.dtype(dtype).itemsize
     info = TensorInfo(tuple(shape), tuple(s // itemsize for s in array.strides), np.dtype(dtype).name, "",

@@ -30,3 +30,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_call_plans():
+    """Each test starts without recorded call plans (cuflash2.call_plans): a test that patches the
+    launch choices (say launch._slots) must not replay a plan recorded by an earlier test."""
+    from cuflash2 import call_plans
+
+    call_plans.clear()
+    yield
+    call_plans.clear()

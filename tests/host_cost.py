@@ -1,0 +1,97 @@
+"""Host (Python) cost per call of each layer of cuflash2's forward and backward, next to torch SDPA's
+flash backend, on a problem so small that the GPU work (a few microseconds) hides nothing: the wall
+time per call of back-to-back calls is then the host's. Usage: python tests/host_cost.py [--calls N]
+"""
+
+import argparse
+import math
+import time
+
+import cupy as cp
+import numpy as np
+import torch
+
+import cuflash2
+from cuflash2 import api, interop, launch
+from cuflash2.interop import describe
+from cuflash2.validate import AttentionShape, validate_qkv
+
+
+def wall_us(fn, calls):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--shape", default="1,64,2,64")
+    args = parser.parse_args()
+    b, s, h, d = map(int, args.shape.split(","))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    grad = torch.randn_like(q)
+    qc, kc, vc = (cp.from_dlpack(x.detach()) for x in (q, k, v))
+    out_c, lse_c = cuflash2.flash_attn_forward(qc, kc, vc, causal=True)
+    dout_c = cp.from_dlpack(grad)
+    shape = AttentionShape(b, s, s, h, h, d, "bfloat16", 1 / math.sqrt(d))
+    out_t, lse_t = torch.empty_like(q), torch.empty((b, h, s), dtype=torch.float32, device="cuda")
+    grads_c = [cp.empty_like(x) for x in (qc, kc, vc)]
+    infos_f = [describe("x", x) for x in (qc, kc, vc, out_c, lse_c)]
+    infos_b = [describe("x", x) for x in (dout_c, qc, kc, vc, out_c, lse_c, *grads_c)]
+    stream = cp.cuda.get_current_stream()
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+
+    def sdpa(x, y, z):
+        return torch.nn.functional.scaled_dot_product_attention(x.transpose(1, 2), y.transpose(1, 2),
+                                                                z.transpose(1, 2), is_causal=True).transpose(1, 2)
+
+    def train(fn):
+        def step():
+            for x in (q, k, v):
+                x.grad = None
+            fn(q, k, v).backward(grad)
+        return step
+
+    def with_call(body):
+        def run():
+            with interop.gpu_call(qc) as call:
+                body(call)
+        return run
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = {
+        "torch SDPA flash forward (no grad)": lambda: sdpa(qd, kd, vd),
+        "cuflash2 torch forward (no grad)": lambda: cuflash2.flash_attn_func(qd, kd, vd, causal=True),
+        "cuflash2 torch forward (requires grad)": lambda: cuflash2.flash_attn_func(q, k, v, causal=True),
+        "  api.forward_into (torch, given out/lse)": lambda: api.forward_into(qd, kd, vd, out_t, lse_t, causal=True),
+        "cuflash2 cupy flash_attn_forward": lambda: cuflash2.flash_attn_forward(qc, kc, vc, causal=True),
+        "  launch.forward (launch level)": lambda: launch.forward(*infos_f, shape, True, 0, stream),
+        "  gpu_call context only (cupy)": with_call(lambda call: None),
+        "  gpu_call + 3 x call.tensor (cupy)": with_call(lambda call: [call.tensor(n, x) for n, x in
+                                                                      (("q", qc), ("k", kc), ("v", vc))]),
+        "  validate_qkv": lambda: validate_qkv(*infos_f[:3]),
+        "  cp.empty x2": lambda: (cp.empty(qc.shape, qc.dtype), cp.empty((b, h, s), np.float32)),
+        "  torch.empty x2": lambda: (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                                     torch.empty((b, h, s), dtype=torch.float32, device=q.device)),
+        "torch SDPA flash train step": train(sdpa),
+        "cuflash2 torch train step": train(lambda x, y, z: cuflash2.flash_attn_func(x, y, z, causal=True)),
+        "cuflash2 cupy flash_attn_backward": lambda: cuflash2.flash_attn_backward(dout_c, qc, kc, vc, out_c, lse_c,
+                                                                                  causal=True),
+        "  launch.backward (launch level)": lambda: launch.backward(*infos_b, shape, True, False, 0, stream),
+    }
+    print(f"shape (b, s, h, d) = {(b, s, h, d)}, bf16, causal; {args.calls} back-to-back calls each")
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for name, fn in rows.items():
+            print(f"{name:45s} {wall_us(fn, args.calls):8.1f} us/call")
+
+
+if __name__ == "__main__":
+    main()

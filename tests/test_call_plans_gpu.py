@@ -1,0 +1,112 @@
+"""Call plans on the GPU: a repeated call takes its recorded plan and computes exactly what the full
+path computes; calls the key cannot vouch for go back to the full path."""
+
+import numpy as np
+import pytest
+
+import cuflash2
+from cuflash2 import call_plans
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim), causal, window, softcap
+    ((2, 200, 200, 4, 4, 64), False, (-1, -1), 0.0),
+    ((2, 256, 256, 4, 4, 128), True, (-1, -1), 0.0),
+    ((1, 150, 333, 8, 2, 128), True, (-1, -1), 0.0),  # GQA, seqlen_q != seqlen_k
+    ((1, 128, 128, 2, 2, 256), False, (-1, -1), 0.0),
+    ((2, 160, 160, 4, 4, 96), False, (32, 8), 0.0),  # window: the variant kernels
+    ((2, 160, 160, 4, 4, 64), True, (-1, -1), 20.0),  # softcap
+]
+
+
+def _inputs(dims, seed):
+    b, sq, sk, h, hk, d = dims
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal(shape).astype(np.float16) for shape in
+              ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d))]
+    return [cp.asarray(x) for x in arrays]
+
+
+def _full_path(fn):
+    call_plans.FAST_CALLS = False
+    try:
+        return fn()
+    finally:
+        call_plans.FAST_CALLS = True
+
+
+def _same(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert cp.array_equal(g.view(cp.uint8), w.view(cp.uint8)), "the plan's result differs from the full path's"
+
+
+@pytest.mark.parametrize("dims, causal, window, softcap", CASES)
+def test_repeated_cupy_calls_take_the_plan_and_match_the_full_path(dims, causal, window, softcap):
+    options = {"causal": causal, "window_size": window, "softcap": softcap}
+    q, k, v, dout = _inputs(dims, 0)
+    out, lse = cuflash2.flash_attn_forward(q, k, v, **options)  # full path: records the plan
+    cuflash2.flash_attn_backward(dout, q, k, v, out, lse, deterministic=True, **options)
+    assert len(call_plans._plans) == 2
+    for seed in (1, 2):  # new buffers, same signature
+        q, k, v, dout = _inputs(dims, seed)
+        out, lse = cuflash2.flash_attn_forward(q, k, v, **options)
+        grads = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, deterministic=True, **options)
+        want = _full_path(lambda: cuflash2.flash_attn_forward(q, k, v, **options))
+        _same((out, lse), want)
+        _same(grads, _full_path(lambda: cuflash2.flash_attn_backward(dout, q, k, v, *want, deterministic=True,
+                                                                     **options)))
+    assert sorted(plan.calls for plan in call_plans._plans.values()) == [2, 2]
+
+
+def test_a_misaligned_input_goes_back_to_the_full_path_and_its_error():
+    q, k, v, _ = _inputs((1, 64, 2, 2, 2, 64), 0)
+    cuflash2.flash_attn_forward(q, k, v)
+    cuflash2.flash_attn_forward(q, k, v)
+    (plan,) = call_plans._plans.values()
+    shifted = cp.empty(q.size + 8, dtype=q.dtype)[1:q.size + 1].reshape(q.shape)  # same strides, address + 2
+    with pytest.raises(ValueError, match="q: expected a data pointer aligned to 16 bytes"):
+        cuflash2.flash_attn_forward(shifted, k, v)
+    assert plan.calls == 1
+
+
+def test_empty_problems_and_copied_inputs_are_not_planned():
+    q, k, v, _ = _inputs((1, 64, 0, 2, 2, 64), 0)
+    for _ in range(2):
+        out, lse = cuflash2.flash_attn_forward(q, k, v)
+    assert not call_plans._plans
+    assert not out.any() and bool(cp.isinf(lse).all())
+    q, k, v, _ = _inputs((1, 64, 64, 2, 2, 64), 0)
+    wide = cp.zeros((1, 64, 2, 128), dtype=q.dtype)
+    wide[..., ::2] = q
+    strided = wide[..., ::2]  # last stride 2: the full path copies it
+    for _ in range(2):
+        out, _ = cuflash2.flash_attn_forward(strided, k, v)
+    assert not call_plans._plans
+    _same((out,), (cuflash2.flash_attn_forward(q, k, v)[0],))
+
+
+def test_torch_training_steps_take_the_plans_on_the_callers_stream():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    grads = {}
+    stream = torch.cuda.Stream()
+    for fast in (True, False):
+        call_plans.FAST_CALLS = fast
+        try:
+            with torch.cuda.stream(stream):
+                for step in range(3):
+                    torch.manual_seed(step)
+                    q, k, v = (torch.randn(2, 192, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                               for _ in range(3))
+                    out = cuflash2.flash_attn_func(q, k, v, causal=True, deterministic=True)
+                    out.backward(torch.randn_like(out))
+                    grads[fast, step] = [x.grad.clone() for x in (out, q, k, v)[1:]] + [out.detach().clone()]
+            stream.synchronize()
+        finally:
+            call_plans.FAST_CALLS = True
+    assert sorted(plan.calls for plan in call_plans._plans.values()) == [2, 2]
+    for step in range(3):
+        for got, want in zip(grads[True, step], grads[False, step], strict=True):
+            assert torch.equal(got, want)
