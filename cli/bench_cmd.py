@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from cuflash2 import bench
+
 from . import bench_run, decode_bench, gpu
 from .formats import FORMATS, Column, render, render_table
 from .options import COMPARE_CHOICES, parse_compare, parse_head_dims, parse_positive_ints, positive_int
@@ -76,17 +78,17 @@ def _progress(problems):
 
 def run_all(cp, problems, impls, settings: dict, peak, rounds: int = 1) -> list[dict]:
     """One row per (problem, implementation). With several rounds every implementation is timed
-    once per round, the order rotating from round to round, and its median round is kept: the
-    GPU's clock follows its power draw with some lag, so a fixed order would time each
-    implementation right after the same other one (after a cuDNN run, the next kernel measured up
-    to 13% slower than it did later in the same process)."""
+    once per round and its median round is kept. The order rotates from round to round, with cuDNN
+    last in each (bench.round_order): the GPU's clock follows its power draw with some lag, and
+    after a cuDNN run the next kernel measured up to 13% slower than it did later in the same
+    process, so a plain rotation timed cuflash2 right after cuDNN in two of three rounds."""
     rows = []
     with _progress(problems) as bar:
         for problem in bar:
             inputs = bench_run.make_inputs(cp, problem)
             runs = {impl: [] for impl in impls}
             for r in range(rounds):
-                for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
+                for impl in bench.round_order(impls, r):
                     runs[impl].append(bench_run.run_one(cp, impl, problem, inputs, settings, peak))
             rows += [bench_run.median_round(runs[impl]) for impl in impls]
             del inputs

@@ -82,3 +82,18 @@ def time_cuda_ms(fn, warmup: int = 5, repeats: int = 20, flush_l2_bytes: int = 0
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end) / calls)
     return statistics.median(times)
+
+
+#: Implementations timed at the end of every round: cuDNN runs the GPU at its highest power, and the
+#: clock follows the power draw with some lag, so whatever runs right after it measures slower
+#: (up to 13% in one process). Last in each round, it precedes only the next round's first.
+TIMED_LAST = ("torch-cudnn", "cudnn")
+
+
+def round_order(names: list, round_index: int) -> list:
+    """The order to time `names` in round `round_index`: the others rotate from round to round
+    (each starts one round), TIMED_LAST come at the end. Pure."""
+    rotating = [n for n in names if n not in TIMED_LAST]
+    last = [n for n in names if n in TIMED_LAST]
+    shift = round_index % len(rotating) if rotating else 0
+    return rotating[shift:] + rotating[:shift] + last

@@ -77,14 +77,12 @@ def bwd_api_call(q, k, v, causal):
 
 
 def median_tflops(calls, flops, rounds):
-    """TFLOP/s of each named call: medians over `rounds` rounds that time every call in turn,
-    starting each round at the next call. The GPU's clock follows its power draw with some lag
-    (after a cuDNN run the next kernel measured up to 13% slower than the same kernel timed
-    later in one process), so no implementation should always follow the same one."""
+    """TFLOP/s of each named call: medians over `rounds` rounds that time every call in turn, in
+    bench.round_order (rotating, cuDNN last: the kernel timed right after cuDNN measures slower)."""
     names = list(calls)
     samples = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in bench.round_order(names, r):
             try:
                 samples[name].append(flops / bench.time_cuda_ms(calls[name], 3, 10) / 1e9)
             except Exception:  # backend unavailable for this shape

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 import cuflash2
-from cuflash2 import api, interop, launch
+from cuflash2 import api, call_plans, interop, launch
 from cuflash2.interop import describe
 from cuflash2.validate import AttentionShape, validate_qkv
 
@@ -32,7 +32,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--shape", default="1,64,2,64")
+    parser.add_argument("--full-path", action="store_true", help="no call plans (cuflash2.call_plans.FAST_CALLS off)")
     args = parser.parse_args()
+    call_plans.FAST_CALLS = not args.full_path
     b, s, h, d = map(int, args.shape.split(","))
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
@@ -87,7 +89,8 @@ def main():
                                                                                   causal=True),
         "  launch.backward (launch level)": lambda: launch.backward(*infos_b, shape, True, False, 0, stream),
     }
-    print(f"shape (b, s, h, d) = {(b, s, h, d)}, bf16, causal; {args.calls} back-to-back calls each")
+    print(f"shape (b, s, h, d) = {(b, s, h, d)}, bf16, causal; {args.calls} back-to-back calls each; "
+          f"call plans {'off' if args.full_path else 'on'}")
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         for name, fn in rows.items():
             print(f"{name:45s} {wall_us(fn, args.calls):8.1f} us/call")

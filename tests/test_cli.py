@@ -470,6 +470,22 @@ def test_bench_rounds_rotate_the_order_and_keep_the_median_round(monkeypatch):
     assert bench_run.median_round([{"ms": 1.0, "first_call_s": 1.0}, {"error": "boom"}]) == {"error": "boom"}
 
 
+def test_bench_rounds_time_cudnn_last_so_no_one_follows_it_twice():
+    """cuDNN heats the GPU and the next kernel measures slower: it ends every round, the others
+    rotate, so each of them starts (follows the previous round's cuDNN) in one round of three."""
+    from cuflash2 import bench
+
+    impls = ["cuflash2", "torch-flash", "torch-cudnn"]
+    orders = [bench.round_order(impls, r) for r in range(3)]
+    assert orders == [["cuflash2", "torch-flash", "torch-cudnn"], ["torch-flash", "cuflash2", "torch-cudnn"],
+                      ["cuflash2", "torch-flash", "torch-cudnn"]]
+    sequence = [name for order in orders for name in order]
+    after_cudnn = [b for a, b in zip(sequence, sequence[1:]) if a == "torch-cudnn"]
+    assert sorted(after_cudnn) == ["cuflash2", "torch-flash"]
+    assert bench.round_order(["cudnn", "kernel", "flash"], 1) == ["flash", "kernel", "cudnn"]
+    assert bench.round_order(["torch-cudnn"], 2) == ["torch-cudnn"]
+
+
 @pytest.mark.parametrize("arch", [80, 86, 90])
 def test_compile_command_covers_every_forward_instantiation(arch):
     """`cuflash2 compile` fills the cache with every forward kernel the library can launch, the
