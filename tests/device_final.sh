@@ -7,6 +7,8 @@
 #                  and cuDNN backends, then compute-sanitizer over every kernel family (no decoding)
 #   PART=all       the GPU suite, FA2's whole grid (seqlen 512-16k unless GRID_SEQLENS) and the
 #                  sanitizer, no decoding: about 8 minutes on an H200, one call
+#   PART=shapes    issue 5's other shapes with `cuflash2 bench` (forward and backward, seqlen 4k):
+#                  head dims 64/96/128/192, GQA (16 query / 4 kv heads), 2048 queries x 8192 keys
 # Logs under $OUT.
 set -u
 OUT=${OUT:-gpu-logs}
@@ -17,6 +19,16 @@ if [[ "${PART:-suite}" == all ]]; then
     tail -4 "$OUT/suite.out"
     grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20
     PART=grid GRID_SEQLENS=${GRID_SEQLENS:-512,1024,2048,4096,8192,16384} OUT=$OUT bash "$0"
+    exit 0
+elif [[ "${PART:-suite}" == shapes ]]; then
+    for mode in fwd bwd; do
+        for extra in "--seqlen 4096 --head-dim 64,96,128,192" "--seqlen 4096 --head-dim 128 --heads-kv 4" \
+                     "--seqlen 2048 --seqlen-k 8192 --head-dim 128"; do
+            # shellcheck disable=SC2086
+            python -m cuflash2 bench --mode $mode --compare torch-flash,torch-cudnn $extra
+        done
+    done > "$OUT/shapes.log" 2>&1
+    grep -E "^(cuflash2|torch-flash) " "$OUT/shapes.log"
     exit 0
 elif [[ "${PART:-suite}" == suite ]]; then
     SKIP_BENCH=1 OUT=$OUT bash tests/gpu_suite.sh > "$OUT/suite.out" 2>&1
