@@ -2,8 +2,8 @@
 
 A training loop makes the same attention call every step: the same shapes, strides, dtypes and
 options, with new buffer addresses. The full path (describe, validate, choose the config, build the
-kernel arguments) costs a few hundred Python operations, 150-350 us per call on the H200 machine's
-CPU, which is more than the kernels take at seqlen 512 (tests/host_cost.py). So after a full-path
+kernel arguments) costs a few hundred Python operations, 210-380 us per call on the H200 machine's
+CPU, as long as the forward kernels take at seqlen 512 (tests/host_cost.py). So after a full-path
 call of a plain forward or backward (no ALiBi, dropout or varlen; window and softcap are fine) whose
 inputs were used as given (no copy on the way), its launches are recorded once with stand-in
 addresses and kept under the call's key (kvcache_step.call_key: the framework, every array's
@@ -41,14 +41,15 @@ _plans: dict = {}
 
 
 def forward_key(q, k, v, softmax_scale, causal, window, softcap):
-    """The key of a forward call that may take a plan (None when it cannot); options normalised."""
-    if not FAST_CALLS:
+    """The key of a forward call that may take a plan (None when it cannot). Plans launch with
+    packed arguments, so CuPy's launcher (launch.PACKED_LAUNCH off, for A/B timing) turns them off."""
+    if not (FAST_CALLS and launch.PACKED_LAUNCH):
         return None
     return _tagged("fwd", kvcache_step.call_key(q, (q, k, v), (softmax_scale, causal, window, softcap)))
 
 
 def backward_key(dout, q, k, v, out, lse, softmax_scale, causal, window, softcap, deterministic):
-    if not FAST_CALLS:
+    if not (FAST_CALLS and launch.PACKED_LAUNCH):
         return None
     return _tagged("bwd", kvcache_step.call_key(q, (dout, q, k, v, out, lse),
                                                 (softmax_scale, causal, window, softcap, deterministic)))
