@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import numpy as np
 
@@ -37,7 +38,8 @@ _MAX_PLANS = 256
 _STAND_IN, _STAND_IN_STEP = 1 << 60, 1 << 48
 
 FAST_CALLS = True  # False sends every call through the full path (A/B timing, tests)
-_plans: dict = {}
+_plans: dict = {}  # key -> CallPlan, or _NO_PLAN where recording failed (warned once)
+_NO_PLAN = object()
 
 
 def forward_key(q, k, v, softmax_scale, causal, window, softcap):
@@ -61,7 +63,8 @@ def _tagged(direction: str, key):
 
 
 def lookup(key):
-    return None if key is None else _plans.get(key)
+    plan = None if key is None else _plans.get(key)
+    return None if plan is _NO_PLAN else plan
 
 
 class CallPlan:
@@ -189,17 +192,31 @@ def _register(key, run_recorded, arrays, infos, output_infos, output_dtypes, dev
     ops = kvcache_step.framework_ops(key[1])
     if not _used_as_given(ops, arrays, infos) or not all(map(_is_contiguous, output_infos)):
         return
-    stand_ins = [dataclasses.replace(info, data_ptr=stand_in(i)) for i, info in enumerate(infos + output_infos)]
+    try:
+        plan = _record(key[1], run_recorded, infos + output_infos, output_dtypes, device_id)
+    except Exception as exc:  # the call's own work is queued already: it must not fail now
+        warnings.warn(f"cuflash2: could not record a call plan ({type(exc).__name__}: {exc}); calls with this "
+                      f"signature take the full path", RuntimeWarning, stacklevel=4)
+        plan = _NO_PLAN
+    if plan is None:
+        return
+    if len(_plans) >= _MAX_PLANS:  # first in, first out: a varying signature does not flush the rest
+        del _plans[next(iter(_plans))]
+    _plans[key] = plan
+
+
+def _record(kind, run_recorded, infos, output_dtypes, device_id) -> CallPlan | None:
+    """The CallPlan of run_recorded's launches (None when they hold an address it cannot fill)."""
+    stand_ins = [dataclasses.replace(info, data_ptr=stand_in(i)) for i, info in enumerate(infos)]
     recorder = Recorder(len(stand_ins))
     launch.record(recorder, lambda: run_recorded(*stand_ins))
     launches = plan_launches(recorder.launches, lambda config: get_kernel(config, device_id),
                              len(stand_ins) + len(recorder.regions))
     if not launches:
-        return
-    if len(_plans) >= _MAX_PLANS:
-        _plans.clear()
+        return None
+    output_infos = infos[len(infos) - len(output_dtypes):]
     outputs = [(tuple(info.shape), dtype) for info, dtype in zip(output_infos, output_dtypes, strict=True)]
-    _plans[key] = CallPlan(key[1], device_id, outputs, launches, recorder.regions)
+    return CallPlan(kind, device_id, outputs, launches, recorder.regions)
 
 
 def _launches_kernels(shape) -> bool:

@@ -50,11 +50,11 @@ _recording = _Recording()
 def record(recorder, run) -> None:
     """Run `run()` (calls of forward/backward) with `recorder` keeping their launches and scratch
     requests instead of the GPU (call_plans records a call's launches this way)."""
-    _recording.recorder = recorder
+    previous, _recording.recorder = _recording.recorder, recorder
     try:
         run()
     finally:
-        _recording.recorder = None
+        _recording.recorder = previous
 
 
 def _launch(config: KernelConfig, device_id: int, stream, grid, args) -> None:

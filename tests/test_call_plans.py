@@ -2,7 +2,9 @@
 makes exactly the launches the full path makes with those addresses."""
 
 import dataclasses
+import math
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -155,8 +157,161 @@ def test_keys_hold_the_layout_and_options_of_the_call():
     assert key != api.forward_plan_key(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, None, True, (-1, -1),
                                        0.0, None, 0.0)  # other strides
     assert api.forward_plan_key(q, q, q, None, True, [-1, -1], 0.0, None, 0.0) is None  # a list: not a key
-    call_plans.FAST_CALLS = False
-    try:
-        assert api.forward_plan_key(q, q, q, None, True, (-1, -1), 0.0, None, 0.0) is None
-    finally:
-        call_plans.FAST_CALLS = True
+    lse = torch.zeros(1, 2, 8)
+    bwd = backward.backward_plan_key(q, q, q, q, q, lse, None, True, (-1, -1), 0.0, None, False, 0.0)
+    assert bwd is not None and bwd != key
+    assert bwd != backward.backward_plan_key(q, q, q, q, q, lse, None, True, (-1, -1), 0.0, None, True, 0.0)
+    assert bwd != backward.backward_plan_key(q, q, q, q, q, lse, None, True, (8, 0), 0.0, None, False, 0.0)
+    assert bwd != backward.backward_plan_key(q, q, q, q, q, lse, None, True, (-1, -1), 5.0, None, False, 0.0)
+    assert bwd != backward.backward_plan_key(q.to(torch.bfloat16), q, q, q, q, lse, None, True, (-1, -1), 0.0, None,
+                                             False, 0.0)  # dout's dtype
+    for module, flag in ((call_plans, "FAST_CALLS"), (launch, "PACKED_LAUNCH")):  # either turns plans off
+        setattr(module, flag, False)
+        try:
+            assert api.forward_plan_key(q, q, q, None, True, (-1, -1), 0.0, None, 0.0) is None
+            assert backward.backward_plan_key(q, q, q, q, q, lse, None, True, (-1, -1), 0.0, None, False, 0.0) is None
+        finally:
+            setattr(module, flag, True)
+
+
+class _Array(int):
+    """A fake device array: its address, with strides and a dtype."""
+
+    dtype = "bf16"
+
+    def __new__(cls, address, strides=()):
+        array = super().__new__(cls, address)
+        array.strides = strides
+        return array
+
+
+class _FakeOps:
+    """A framework for CallPlan without a GPU: arrays are their own addresses, allocations hand out
+    fresh ones, and every operation is logged."""
+
+    float32 = "fp32"
+
+    def __init__(self):
+        self.next_address = 0x6000_0000_0000
+        self.allocations = []
+
+    def current_device(self):
+        return 0
+
+    @staticmethod
+    def pointer(x):
+        return int(x)
+
+    @staticmethod
+    def strides_in_elements(x):
+        return x.strides
+
+    def _allocate(self, what):
+        address, self.next_address = self.next_address, self.next_address + 0x1000_0000
+        self.allocations.append((what, address))
+        return address
+
+    def empty(self, shape, dtype, device_id):
+        return self._allocate(("empty", shape, dtype))
+
+    def scratch(self, nbytes, device_id):
+        return self._allocate(("scratch", nbytes))
+
+    def stream(self, device_id):
+        return 77
+
+
+@pytest.fixture
+def fake_gpu(h200, monkeypatch):
+    """CallPlan runs on _FakeOps; its launches and memsets are logged instead of sent."""
+    ops, sent, memsets = _FakeOps(), [], []
+    monkeypatch.setattr(call_plans.kvcache_step, "framework_ops", lambda kind: ops)
+    monkeypatch.setattr(call_plans, "get_kernel", lambda config, device_id: _FAKE_KERNEL)
+    monkeypatch.setattr(call_plans, "_memset_async", lambda address, nbytes, stream: memsets.append((address, nbytes,
+                                                                                                       stream)))
+    monkeypatch.setattr(call_plans.packed_launch, "launch_packed",
+                        lambda function, grid, threads, smem, stream, packer, args: sent.append((grid, stream, args)))
+    return ops, sent, memsets
+
+
+@pytest.mark.parametrize("dims, causal", [((2, 512, 512, 16, 16, 128), True), ((1, 200, 333, 8, 2, 64), False),
+                                          ((2, 256, 256, 4, 4, 256), True)])
+def test_a_replayed_backward_zeroes_its_accumulators_and_launches_what_the_full_path_does(fake_gpu, monkeypatch,
+                                                                                          dims, causal):
+    """The default (non-deterministic) sm_90 backward accumulates dQ (and, with GQA, dK/dV) in fp32
+    scratch that must start at zero: the replay memsets exactly those regions, on the call's
+    stream, before launching the full path's launches with the same addresses."""
+    ops, sent, memsets = fake_gpu
+    shape = AttentionShape(*dims, "bfloat16", dims[-1] ** -0.5)
+    infos = _buffers("bwd", shape)
+    plan = call_plans._record("fake", lambda *i: _run("bwd", i, shape, causal, PLAIN), tuple(infos),
+                              ("bf16",) * 3, 0)
+    inputs = [0x7F00_0000_0000 + 0x1000_0000 * i for i in range(6)]
+    grads = plan(tuple(inputs))
+    (_, scratch_base), = [a for a in ops.allocations if a[0][0] == "scratch"]
+    assert [what for what, _ in ops.allocations[:3]] == [("empty", tuple(info.shape), "bf16") for info in infos[6:]]
+    regions = [scratch_base + offset for offset in plan.offsets]
+    full_infos = [dataclasses.replace(info, data_ptr=a) for info, a in zip(infos, inputs + grads)]
+    taken, zeroed = iter(regions), []
+
+    def full_path_scratch(cp, shape_, dtype=np.float32, zero=False):
+        info = contiguous_info(shape_, np.dtype(dtype).name, np.dtype(dtype).itemsize, "", next(taken))
+        if zero:
+            zeroed.append((info.data_ptr, math.prod(shape_) * info.itemsize, 77))
+        return None, info
+
+    monkeypatch.setattr(launch, "_scratch", full_path_scratch)
+    full = []
+    monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args:
+                        full.append((tuple(grid) + (1,) * (3 - len(grid)), 77, [a.item() for a in args])))
+    _run("bwd", full_infos, shape, causal, PLAIN)
+    assert sent == full and plan.calls == 1
+    assert memsets == zeroed  # the regions the full path allocates with cp.zeros
+    if dims[3] == dims[4]:  # MHA on sm_90: the fused kernel accumulates dQ in zeroed fp32 scratch
+        assert memsets
+
+
+def _forward_registration(out_strides=None, copied=False, features=PLAIN, seqlen_k=128,
+                          key=("fwd", "fake", "signature")):
+    shape = AttentionShape(1, 128, seqlen_k, 4, 4, 64, "bfloat16", 0.125)
+    infos = [dataclasses.replace(info, data_ptr=0x7F00_0000_0000 + 0x1000_0000 * i)
+             for i, info in enumerate(_buffers("fwd", shape))]
+    if out_strides:
+        infos[3] = dataclasses.replace(infos[3], strides=out_strides)
+    arrays = [_Array(info.data_ptr + (32 if copied and i == 1 else 0), info.strides)
+              for i, info in enumerate(infos[:3])]
+    call_plans.register_forward(key, arrays, tuple(infos[:3]), tuple(infos[3:]), shape, False, features, 0)
+    return call_plans.lookup(key)
+
+
+def test_registration_keeps_plans_only_for_calls_it_can_replay(fake_gpu, monkeypatch):
+    assert isinstance(_forward_registration(), call_plans.CallPlan)
+    call_plans.clear()
+    assert _forward_registration(out_strides=(128 * 8 * 64, 8 * 64, 64, 1)) is None  # a wider out
+    assert _forward_registration(copied=True) is None  # an input the full path copied
+    assert _forward_registration(seqlen_k=0) is None  # filled, no kernels
+    slopes = TensorInfo((4,), (1,), "float32", "cuda:0", 0x7E00_0000_0000, 4)
+    assert _forward_registration(features=Features(alibi=slopes)) is None
+    assert not call_plans._plans
+
+
+def test_a_failed_recording_warns_once_and_leaves_the_full_path(fake_gpu, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(call_plans, "get_kernel", broken)
+    with pytest.warns(RuntimeWarning, match="could not record a call plan.*no such kernel"):
+        assert _forward_registration() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _forward_registration() is None  # marked: not recorded (nor warned) again
+    assert launch._recording.recorder is None
+
+
+def test_the_oldest_plan_makes_room_for_a_new_one(fake_gpu, monkeypatch):
+    """Past _MAX_PLANS signatures the first one kept goes (not all of them: a training loop with a
+    new length now and then keeps its other plans)."""
+    monkeypatch.setattr(call_plans, "_MAX_PLANS", 3)
+    for i in range(4):
+        assert _forward_registration(key=("fwd", "fake", i)) is not None
+    assert list(call_plans._plans) == [("fwd", "fake", i) for i in (1, 2, 3)]

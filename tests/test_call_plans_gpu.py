@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cuflash2
-from cuflash2 import call_plans
+from cuflash2 import api, call_plans
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -110,3 +110,42 @@ def test_torch_training_steps_take_the_plans_on_the_callers_stream():
     for step in range(3):
         for got, want in zip(grads[True, step], grads[False, step], strict=True):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dims, causal", [((2, 256, 256, 4, 4, 128), True), ((1, 150, 333, 8, 2, 64), False),
+                                          ((1, 128, 128, 2, 2, 256), True)])
+def test_the_default_backward_replays_with_zeroed_accumulators(dims, causal):
+    """deterministic=False: on sm_90 the fused kernel adds dQ into fp32 scratch that the plan must
+    zero; the pool is dirtied first, so a missed memset would show. Atomic sums may differ in
+    the last bits from the full path's, hence the tolerance."""
+    q, k, v, dout = _inputs(dims, 0)
+    out, lse = cuflash2.flash_attn_forward(q, k, v, causal=causal)
+    cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)  # records the plan
+    for seed in (1, 2):
+        q, k, v, dout = _inputs(dims, seed)
+        out, lse = cuflash2.flash_attn_forward(q, k, v, causal=causal)
+        dirty = cp.full(64 << 20, cp.nan, dtype=cp.float32)
+        del dirty  # back to CuPy's pool: the plan's scratch comes from NaN-filled memory
+        grads = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+        want = _full_path(lambda: cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=causal))
+        for g, w in zip(grads, want, strict=True):
+            g, w = g.astype(cp.float32), w.astype(cp.float32)
+            assert bool(cp.isfinite(g).all())
+            assert float(cp.abs(g - w).max()) <= 1e-2 * max(1.0, float(cp.abs(w).max()))
+    assert sorted(plan.calls for plan in call_plans._plans.values()) == [2, 2]
+
+
+def test_forward_into_plans_only_contiguous_outputs_and_shares_them():
+    q, k, v, _ = _inputs((2, 128, 128, 4, 4, 64), 0)
+    wide = cp.empty((2, 128, 8, 64), dtype=q.dtype)
+    lse = cp.empty((2, 4, 128), dtype=cp.float32)
+    api.forward_into(q, k, v, wide[:, :, :4], lse)  # out with a wider row: not planned
+    assert not call_plans._plans
+    out = cp.empty_like(q)
+    api.forward_into(q, k, v, out, lse)
+    assert len(call_plans._plans) == 1  # the same key as flash_attn_forward's: it takes this plan
+    got = cuflash2.flash_attn_forward(q, k, v)
+    (plan,) = call_plans._plans.values()
+    assert plan.calls == 1
+    _same(got, (out, lse))
+    _same((cp.ascontiguousarray(wide[:, :, :4]),), (out,))
