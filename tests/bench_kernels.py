@@ -139,9 +139,20 @@ def main():
         print(f"{r['mode']:>4} {r['seqlen']:6d} {r['head_dim']:4d} {str(r['causal']):>6} {r['cuflash2']:9.1f} "
               f"{r['flash']:7.1f} {r['cudnn']:7.1f} {r['cuflash2'] / r['flash']:8.2f}"
               + f"  kernel-only {r['kernel']:.1f}")
+    print_parity(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def print_parity(rows):
+    """How many points reach FA2's speed, for the API and the kernels alone, and which do not."""
+    for column in ("cuflash2", "kernel"):
+        timed = [r for r in rows if column in r and not math.isnan(r[column]) and not math.isnan(r["flash"])]
+        below = [r for r in timed if r[column] < r["flash"]]
+        print(f"{column}: {len(timed) - len(below)} of {len(timed)} points at or above FA2"
+              + "".join(f"; {r['mode']} {r['seqlen']} d{r['head_dim']}{' causal' if r['causal'] else ''} "
+                        f"{r[column] / r['flash']:.3f}x" for r in below))
 
 
 def fwd_kernel_call(q, k, v, causal, config=None):

@@ -37,7 +37,7 @@ elif [[ "${PART:-suite}" == suite ]]; then
 elif [[ "${PART}" == grid ]]; then
     python tests/bench_kernels.py --modes fwd,bwd --head-dims "${GRID_DIMS:-64,128,256}" \
         --seqlens "${GRID_SEQLENS:-1024,4096,16384}" --json "$OUT/grid.json" > "$OUT/grid.log" 2>&1
-    grep -A60 "^mode" "$OUT/grid.log"
+    grep -A80 "^mode" "$OUT/grid.log"
     OUT=$OUT bash tests/sanitize.sh
     exit 0
 else
