@@ -109,11 +109,9 @@ def flash_attn_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-
     With dropout_p > 0, dropout_seed (and dropout_offset) must be given: pass the same to the
     backward."""
     key = forward_plan_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
-    plan = call_plans.lookup(key) if out is None else None
-    if plan is not None:  # a call signature seen before (cuflash2.call_plans)
-        result = plan((q, k, v))
-        if result is not None:
-            return tuple(result)
+    result = call_plans.replay(key, (q, k, v)) if out is None else None
+    if result is not None:  # a call signature seen before (cuflash2.call_plans)
+        return result
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":

@@ -27,11 +27,10 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
     """
     key = backward_plan_key(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, softcap,
                             alibi_slopes, deterministic, dropout_p)
-    plan = call_plans.lookup(key) if dq is None and dk is None and dv is None else None
-    if plan is not None:  # a call signature seen before (cuflash2.call_plans)
-        result = plan((dout, q, k, v, out, softmax_lse))
-        if result is not None:
-            return tuple(result)
+    outputs_given = dq is not None or dk is not None or dv is not None
+    result = None if outputs_given else call_plans.replay(key, (dout, q, k, v, out, softmax_lse))
+    if result is not None:  # a call signature seen before (cuflash2.call_plans)
+        return result
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":

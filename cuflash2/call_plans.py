@@ -26,7 +26,7 @@ import numpy as np
 
 from . import kvcache_step, launch, packed_launch
 from .compiler import get_kernel
-from .kvcache_step import StepLaunch
+from .kvcache_step import StepLaunch, fill_arguments
 from .validate import TensorInfo, contiguous_info
 
 FORWARD_INPUTS, FORWARD_OUTPUTS = ("q", "k", "v"), ("out", "lse")
@@ -65,6 +65,16 @@ def _tagged(direction: str, key):
 def lookup(key):
     plan = None if key is None else _plans.get(key)
     return None if plan is _NO_PLAN else plan
+
+
+def replay(key, arrays: tuple):
+    """The outputs (a tuple) of the plan kept under `key` run on `arrays`; None when there is no
+    such plan or it hands the call back to the full path."""
+    plan = lookup(key)
+    if plan is None:
+        return None
+    result = plan(arrays)
+    return None if result is None else tuple(result)
 
 
 class CallPlan:
@@ -106,14 +116,6 @@ class CallPlan:
         del scratch  # stream-ordered: reused only by work queued after this point
         self.calls += 1
         return outputs
-
-
-def fill_arguments(step: StepLaunch, pointers: list) -> list:
-    """The arguments of one recorded launch with this call's buffer addresses filled in. Pure."""
-    args = step.template.copy()
-    for index, source in step.slots:
-        args[index] = pointers[source]
-    return args
 
 
 def _memset_async(address: int, nbytes: int, stream: int) -> None:
@@ -253,4 +255,4 @@ def clear() -> None:
 
 
 __all__ = ["CallPlan", "Recorder", "backward_key", "clear", "fill_arguments", "forward_key", "lookup", "plan_launches",
-           "register_backward", "register_forward", "scratch_layout"]
+           "register_backward", "register_forward", "replay", "scratch_layout"]

@@ -189,6 +189,14 @@ class StepLaunch(NamedTuple):
     slots: tuple
 
 
+def fill_arguments(step: StepLaunch, pointers: list) -> list:
+    """The arguments of one recorded launch with this call's buffer addresses filled in. Pure."""
+    args = step.template.copy()
+    for index, source in step.slots:
+        args[index] = pointers[source]
+    return args
+
+
 class Step:
     """One call signature's launches with the buffer addresses left open."""
 
@@ -220,11 +228,8 @@ class Step:
                      base + offsets.get("lse_partial", 0)]
         stream = ops.stream(device_id)
         for step in self.launches:
-            args = step.template.copy()
-            for index, source in step.slots:
-                args[index] = pointers[source]
             packed_launch.launch_packed(step.function, step.grid, step.threads, step.smem_bytes, stream, step.packer,
-                                        args)
+                                        fill_arguments(step, pointers))
         del scratch  # stream-ordered: reused only by work queued after this point
         self.calls += 1
         return (out, lse) if self.return_lse else out
@@ -266,4 +271,4 @@ def clear() -> None:
     _steps.clear()
 
 
-__all__ = ["Step", "StepLaunch", "call_key", "clear", "lookup", "register", "scratch_layout"]
+__all__ = ["Step", "StepLaunch", "call_key", "clear", "fill_arguments", "lookup", "register", "scratch_layout"]

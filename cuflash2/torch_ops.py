@@ -40,12 +40,10 @@ def _use_custom_op(q: Tensor) -> bool:
 def _fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
               dropout_seed, deterministic):
     window = (window_left, window_right)
-    plan = call_plans.lookup(api.forward_plan_key(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
-                                                  dropout_p))
-    if plan is not None:  # a call signature seen before: what forward_into below would launch
-        result = plan((q, k, v))
-        if result is not None:
-            return tuple(result)
+    result = call_plans.replay(api.forward_plan_key(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
+                                                    dropout_p), (q, k, v))
+    if result is not None:  # a call signature seen before: what forward_into below would launch
+        return result
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     api.forward_into(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, window_size=window,
@@ -71,12 +69,11 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, windo
               dropout_p, dropout_seed, deterministic):
     dout = _kernel_ready(dout)  # here, not in the autograd formula: torch.compile traces that with fake tensors
     window = (window_left, window_right)
-    plan = call_plans.lookup(backward.backward_plan_key(dout, q, k, v, out, lse, softmax_scale, causal, window,
-                                                        softcap, alibi_slopes, deterministic, dropout_p))
-    if plan is not None:  # a call signature seen before: what flash_attn_backward below would launch
-        result = plan((dout, q, k, v, out, lse))
-        if result is not None:
-            return tuple(result)
+    result = call_plans.replay(backward.backward_plan_key(dout, q, k, v, out, lse, softmax_scale, causal, window,
+                                                          softcap, alibi_slopes, deterministic, dropout_p),
+                               (dout, q, k, v, out, lse))
+    if result is not None:  # a call signature seen before: what flash_attn_backward below would launch
+        return result
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     backward.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                  window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
