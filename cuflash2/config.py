@@ -456,11 +456,12 @@ _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 
 # Buckets the fused kernel serves: its layout needs an even number of 8-column tiles per column
 # group, so buckets 160 and 224 run the 192 and 256 instantiations on zero-padded columns.
-FUSED_BWD_HEAD_DIMS = (64, 128, 160, 192, 224, 256)
+FUSED_BWD_HEAD_DIMS = (64, 96, 128, 160, 192, 224, 256)
 _FUSED_BWD_WIDTH = {160: 192, 224: 256}
 # Buckets where the fused kernel is the default (H200, BENCHMARKS.md): at 128 it measured 1.03-1.32x
 # the two-kernel plan (seqlen 1k-4k), 1.08-1.38x at head dim 120 (padded columns); at 64 1.07-1.09x
-# (0.98x causal at seqlen 1k); at 160-256 1.06-1.45x the plan that splits dV from dK.
+# (0.98x causal at seqlen 1k); at 160-256 1.06-1.45x the plan that splits dV from dK; at 96 (16-row
+# dQ warps) 1.36-1.50x the dQ-kernel plan, seqlen 512-16k (performance log item 43).
 FUSED_BWD_DEFAULT_BUCKETS = FUSED_BWD_HEAD_DIMS
 
 
@@ -468,7 +469,7 @@ def fused_backward_supported(bucket: int, arch: int, variant: bool = False, dete
                              causal: bool = False, gqa: bool = False) -> bool:
     """Whether the one-pass backward kernel (flash_bwd_fused.cu: FA2's warp layout, dQ by bulk
     reductions) serves this call: sm_90 or newer with the shared memory of an H100 (not the 99 KB
-    parts), plain attention, head-dim buckets 64 and 128 to 256."""
+    parts), plain attention, head-dim buckets 64 to 256."""
     return (atomic_dq_supported(arch) and not variant and not deterministic and bucket in FUSED_BWD_HEAD_DIMS
             and fused_backward_config(bucket, "bf16", causal, gqa).smem_bytes <= smem_limit(arch))
 

@@ -29,7 +29,12 @@ struct FusedBwdTraits {
     static constexpr int kColGroups = kNWarps / kKeyGroups;  // warps sharing a key group
     static constexpr int kSTiles = kBlockM / kColGroups / 8;  // 8-query tiles of a warp's S^T part
     static constexpr int kDTiles = kHeadDim / kColGroups / 8; // 8-column tiles of a warp's dK/dV part
-    static constexpr int kDqRowGroups = kBlockM / 32;
+    // dQ = dS K: each warp computes kDqWarpRows query rows x kDqTiles 8-column tiles. 32 rows unless
+    // that leaves an odd number of tiles per warp (head dim 96: 3), then 16 rows (FA2's d96 layout:
+    // 4 x 2 warps over 64 x 96).
+    static constexpr int kDqWarpRows = (kHeadDim / (kNWarps / (kBlockM / 32)) / 8) % 2 == 0 ? 32 : 16;
+    static constexpr int kDqMTiles = kDqWarpRows / 16;
+    static constexpr int kDqRowGroups = kBlockM / kDqWarpRows;
     static constexpr int kDqColGroups = kNWarps / kDqRowGroups;
     static constexpr int kDqTiles = kHeadDim / kDqColGroups / 8;
     // Head dim 64: P^T stays in registers (16-bit) through the dP product, for dS^T, and masking
@@ -90,7 +95,8 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     // reload the dS fragments less often, but keep more registers live: 4 tiles measured 1.04-1.10x
     // at head dims 64 and 128 once the P^T / dS^T stores (stmatrix) and the loop-invariant addresses
     // stopped taking registers (BENCHMARKS.md, log item 26). Head dim 192 has 6 tiles per warp.
-    constexpr int kDqChunk = Tr::kDqTiles % 4 == 0 ? 4 : 2;
+    // 16-row warps (head dim 96) take all 6 of their tiles in one pass: as many accumulators as 32 rows x 3.
+    constexpr int kDqChunk = Tr::kDqWarpRows == 16 ? Tr::kDqTiles : Tr::kDqTiles % 4 == 0 ? 4 : 2;
     constexpr bool kSplitPrologue = kCausal || kHeadDim > 128;  // (see the prologue)
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -303,26 +309,26 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dv, pt_as_a, do_as_b.cursor, do_as_b.chunk0);  // dV += P^T dO
         gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dk, dst_as_a, q_as_b.cursor, q_as_b.chunk0);    // dK += dS^T Q
         if (Tr::kDqInStage) __syncthreads();  // every warp is done with this stage's Q and dO: dQ goes there
-        // dQ = dS K for rows [dq_row0, +32) of this query block, kDqChunk 8-column tiles at a time
+        // dQ = dS K for rows [dq_row0, +kDqWarpRows) of this query block, kDqChunk 8-column tiles at a time
         // (few live registers next to the dK / dV accumulators).
         const u32 dq_buf = dq_stage.buffer(it);
         // This warp's dQ rows and columns, and its operand cursors, are derived here from an opaque
         // copy of the thread id: computed once before the loop they would stay live through all of
         // it next to the accumulators (one of them spilled at head dim 128).
         const int lane_q = opaque_int(threadIdx.x) % 32, warp_q = opaque_int(threadIdx.x) / 32;
-        const int dq_row0 = (warp_q % Tr::kDqRowGroups) * 32;  // first row and column tile
+        const int dq_row0 = (warp_q % Tr::kDqRowGroups) * Tr::kDqWarpRows;  // first row and column tile
         const int dq_tile0 = (warp_q / Tr::kDqRowGroups) * Tr::kDqTiles;
         const auto dst_as_at = LdsmCursor<typename Tr::PTile>(dst_smem, (lane_q / 16) * 8 + lane_q % 8, (lane_q / 8) % 2)
-                                   .template shifted<4>(dq_row0 / 8);  // 32 rows = 4 chunks of dS^T columns
+                                   .template shifted<Tr::kDqWarpRows / 8>(dq_row0 / 8);  // rows = chunks of dS^T columns
         const auto k_as_b = offset_columns<Tr::kDqTiles>(  // trans: rows = keys
             LdsmCursor<typename Tr::KTile>(k_smem, lane_q % 16, lane_q / 16), dq_tile0);
 #pragma unroll
         for (int t0 = 0; t0 < Tr::kDqTiles; t0 += kDqChunk) {
-            float acc_dq[2][kDqChunk][4];
+            float acc_dq[Tr::kDqMTiles][kDqChunk][4];
             zero_acc(acc_dq);
-            gemm_atb<T, 2, kDqChunk, kBlockN / 16>(acc_dq, dst_as_at, 0, k_as_b.cursor, k_as_b.chunk0 + t0);
+            gemm_atb<T, Tr::kDqMTiles, kDqChunk, kBlockN / 16>(acc_dq, dst_as_at, 0, k_as_b.cursor, k_as_b.chunk0 + t0);
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < Tr::kDqMTiles; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < kDqChunk; ++nt)
                     dq_stage.store_fragment(dq_buf, dq_row0 + mt * 16 + lane_q / 4, (dq_tile0 + t0 + nt) * 8 + (lane_q % 4) * 2,

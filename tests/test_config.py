@@ -360,7 +360,7 @@ def test_backward_smem_includes_dq_staging():
 
 def test_fused_backward_default_and_limits():
     """The one-pass backward is the default only where it was measured faster (head-dim buckets 64
-    and 128 to 256 on sm_90, plain, non-deterministic), and is refused with a clear
+    to 256 on sm_90, plain, non-deterministic), and is refused with a clear
     error elsewhere."""
     def main(**kw):
         return config.backward_plan(**{"dtype": "bf16", "causal": False, "arch": 90, **kw}).main
@@ -373,15 +373,17 @@ def test_fused_backward_default_and_limits():
     assert main(head_dim=128, gqa=True)[0].flags == (True,)  # fp32 dK/dV, summed over the group later
     assert [c.kernel for c in main(head_dim=64, causal=True, gqa=True)] == [config.BWD_FUSED]  # fits at 64
     assert [c.kernel for c in main(head_dim=128, causal=True, gqa=True)] == [config.BWD_FUSED]  # spill-free now
-    # not the default: head dim 32 or 96, deterministic, variant, sm_80, explicit plans
-    for kw in ({"head_dim": 32}, {"head_dim": 96}, {"deterministic": True},
+    for head_dim in (72, 96):  # bucket 96: 16-row dQ warps (FA2's d96 layout)
+        assert [c.kernel for c in main(head_dim=head_dim)] == [config.BWD_FUSED]
+    # not the default: head dim 32, deterministic, variant, sm_80, explicit plans
+    for kw in ({"head_dim": 32}, {"deterministic": True},
                {"variant": True},
                {"arch": 80}, {"atomic_dq": True}, {"atomic_dq": False}, {"split": True}):
         assert config.BWD_FUSED not in [c.kernel for c in main(**{"head_dim": 128, **kw})], kw
     assert [c.kernel for c in main(head_dim=64, fused=True)] == [config.BWD_FUSED]
     plan = config.backward_plan(128, "bf16", False, 90)
     assert plan.dq is None and plan.main[0].accumulates_dq
-    for kw in ({"head_dim": 96}, {"head_dim": 32}, {"arch": 80}, {"variant": True}, {"deterministic": True}):
+    for kw in ({"head_dim": 32}, {"arch": 80}, {"variant": True}, {"deterministic": True}):
         with pytest.raises(ValueError, match="fused: the one-pass backward needs sm_90"):
             main(**{"head_dim": 128, "fused": True, **kw})
     # a tuning tile that does not fit is refused before any compilation
@@ -402,8 +404,8 @@ def test_fused_backward_smem_and_compile_list():
     assert d64.smem_bytes == one_buffer and one_buffer + 128 * (64 + 8) * 4 > smem_limit(90)
     assert "flash_bwd_fused_kernel<Fp16, 128, 64, 128, 8, true, false>" == c.template_name()
     fused = {c for c in config.all_backward_configs(90) if c.kernel == config.BWD_FUSED}
-    assert len(fused) == 4 * 2 * 2 * 2  # widths 64, 128, 192, 256 x dtypes x causal x gqa
-    assert {c.head_dim for c in fused} == {64, 128, 192, 256}
+    assert len(fused) == 5 * 2 * 2 * 2  # widths 64, 96, 128, 192, 256 x dtypes x causal x gqa
+    assert {c.head_dim for c in fused} == {64, 96, 128, 192, 256}
 
 
 @pytest.mark.parametrize(("head_dim", "width"), [(136, 192), (192, 192), (200, 256), (256, 256)])
