@@ -301,6 +301,12 @@ FWD_SHORT_SEQLEN = 2048
 # alone, rotating rounds; BENCHMARKS.md, performance log item 36). Every key block is full there,
 # so two 4-warp blocks per SM keep the tensor cores busier than one 8-warp block.
 _FWD_FULL_TILES_SM90 = {256: (64, 64, 4, 2)}
+# Head dims 160 and 192 on sm_90 take FA2's 64x64 4-warp tile, causal or not, at every length:
+# against the 128x64 8-warp tile, d192 measured 1.10x (seqlen 1k) and 1.05x (4k) non-causal, 1.14x
+# and 1.09x causal; d160 1.09x, 1.03x, 1.11x and 1.09x (H200, kernels alone; BENCHMARKS.md,
+# performance log item 42). (128x128 with 8 warps measured faster still at d192 4k, 1.13x, but
+# spills 8 bytes.)
+_FWD_TILES_SM90 = {160: (64, 64, 4, 2), 192: (64, 64, 4, 2)}
 
 
 def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool = False,
@@ -320,6 +326,8 @@ def _forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant:
         tiles = _FWD_SHORT_CAUSAL_TILES_SM90[bucket]
     elif plain_sm90 and not causal and bucket in _FWD_FULL_TILES_SM90:
         tiles = _FWD_FULL_TILES_SM90[bucket]
+    elif plain_sm90 and bucket in _FWD_TILES_SM90:
+        tiles = _FWD_TILES_SM90[bucket]
     elif _large_smem(arch):
         tiles = ((_FWD_VARIANT_TILES_LARGE_SMEM.get(bucket) if variant else None)
                  or _FWD_TILES_LARGE_SMEM[bucket])

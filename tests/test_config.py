@@ -158,7 +158,8 @@ def test_variant_configs_mirror_the_plain_ones():
             twin = forward_config(c.head_dim, c.dtype, c.causal, arch, variant=True)
             assert twin.variant and (twin.head_dim, twin.dtype, twin.causal) == (c.head_dim, c.dtype, c.causal)
             own_tiles = config._FWD_VARIANT_TILES_SMALL_SMEM if arch == 86 else config._FWD_VARIANT_TILES_LARGE_SMEM
-            if c.head_dim not in own_tiles:  # the others have their own variant tiles (config.py)
+            plain_only = arch == 90 and c.head_dim in config._FWD_TILES_SM90  # measured for plain attention
+            if c.head_dim not in own_tiles and not plain_only:  # the others have their own variant tiles
                 assert dataclasses.replace(twin, variant=False) == c
         plan = backward_plan(128, "bf16", True, arch, variant=True)
         assert all(k.variant for k in (*plan.main, plan.dq))
@@ -390,6 +391,19 @@ def test_fused_backward_default_and_limits():
     with pytest.raises(ValueError, match="tile: the fused backward with 128-row query blocks needs"):
         main(head_dim=256, fused=True, tile=(128, 8, 2))
     assert main(head_dim=64, fused=True, tile=(64, 8, 2))[0].block_m == 64
+
+
+@pytest.mark.parametrize("head_dim", [136, 160, 192])
+def test_sm90_forward_tile_of_head_dims_160_and_192(head_dim):
+    """Buckets 160 and 192 on sm_90 take the 64x64 4-warp tile (measured faster), causal or not, at
+    every length; the A100 and the variant kernels keep their own tiles, bucket 224 its own."""
+    for causal in (False, True):
+        for seqlen in (None, 512):
+            c = forward_config(head_dim, "bf16", causal, 90, seqlen=seqlen)
+            assert (c.block_m, c.block_n, c.warps, c.stages) == (64, 64, 4, 2)
+        assert forward_config(head_dim, "bf16", causal, 80).block_m == 128
+        assert forward_config(head_dim, "bf16", causal, 90, variant=True).block_m == 128
+    assert forward_config(224, "bf16", False, 90).block_m == 128
 
 
 def test_fused_backward_smem_and_compile_list():
