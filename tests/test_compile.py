@@ -101,7 +101,7 @@ def test_decode_shared_memory_matches_the_kernel_traits():
 
 def test_fused_backward_shared_memory_matches_the_kernel_traits():
     """The same contract for the fused backward (FusedBwdTraits::kSmemBytes: dQ staged in buffers of
-    its own at head dim 128, one at 64 and 192, over a consumed Q/dO stage at 256; kDqPadBytes: the padding of the
+    its own at head dims 96 and 128, one at 64 and 192, over a consumed Q/dO stage at 256; kDqPadBytes: the padding of the
     staged and accumulated dQ rows, which the host allocates; kDqRowInterleave: the row permutation
     the convert kernel undoes)."""
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
@@ -122,7 +122,7 @@ def test_fused_backward_shared_memory_matches_the_kernel_traits():
                for t, (smem, pad, interleave, name) in tiles.items()]
     ok, log = _compiles_with_asserts("flash_bwd_fused.cu", asserts)
     assert ok, f"host and kernel disagree on fused backward shared memory:\n{log[:2000]}"
-    assert len(tiles) == 5
+    assert len(tiles) == 6  # widths 64 (two block heights), 96, 128, 192, 256
     some_tile = next(iter(tiles))
     for wrong in (f'static_assert({some_tile}::kSmemBytes == {tiles[some_tile][0] + 16}, "off by 16");',
                   f'static_assert({some_tile}::kDqPadBytes == {tiles[some_tile][1] + 16}, "off by 16");',
