@@ -469,7 +469,7 @@ _FUSED_BWD_WIDTH = {160: 192, 224: 256}
 # Buckets where the fused kernel is the default (H200, BENCHMARKS.md): at 128 it measured 1.03-1.32x
 # the two-kernel plan (seqlen 1k-4k), 1.08-1.38x at head dim 120 (padded columns); at 64 1.07-1.09x
 # (0.98x causal at seqlen 1k); at 160-256 1.06-1.45x the plan that splits dV from dK; at 96 (16-row
-# dQ warps) 1.36-1.50x the dQ-kernel plan, seqlen 512-16k (performance log item 43).
+# dQ warps) 1.15-1.50x the dQ-kernel plan, seqlen 512-16k (performance log item 43).
 FUSED_BWD_DEFAULT_BUCKETS = FUSED_BWD_HEAD_DIMS
 
 
