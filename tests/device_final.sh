@@ -9,6 +9,8 @@
 #                  sanitizer, no decoding: about 8 minutes on an H200, one call
 #   PART=shapes    issue 5's other shapes with `cuflash2 bench` (forward and backward, seqlen 4k):
 #                  head dims 64/96/128/192, GQA (16 query / 4 kv heads), 2048 queries x 8192 keys
+#   PART=cli       FA2's whole grid through `cuflash2 bench` (the public API on CuPy arrays, what
+#                  issue 5 measures), forward then backward, JSON under $OUT: about 6 minutes
 # Logs under $OUT.
 set -u
 OUT=${OUT:-gpu-logs}
@@ -29,6 +31,13 @@ elif [[ "${PART:-suite}" == shapes ]]; then
         done
     done > "$OUT/shapes.log" 2>&1
     grep -E "^(cuflash2|torch-flash) " "$OUT/shapes.log"
+    exit 0
+elif [[ "${PART:-suite}" == cli ]]; then
+    for mode in fwd bwd; do
+        python -m cuflash2 bench --mode $mode --compare torch-flash,torch-cudnn --format json \
+            -o "$OUT/cli-$mode.json" > "$OUT/cli-$mode.log" 2>&1
+        grep -E "^(cuflash2|torch-flash) " "$OUT/cli-$mode.log"
+    done
     exit 0
 elif [[ "${PART:-suite}" == suite ]]; then
     SKIP_BENCH=1 OUT=$OUT bash tests/gpu_suite.sh > "$OUT/suite.out" 2>&1
