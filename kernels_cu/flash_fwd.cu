@@ -37,13 +37,14 @@ struct FwdTraits {
     // tile measured 1.06x with its row sums back in registers), hence the thresholds.
     // KernelConfig.forward_row_sums_bytes (cuflash2/config.py) mirrors kSumsInSmem.
     static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;
-    // Tiles of 16 rows per warp whose threads load 16 or more 16-byte K/V chunks per block (head dim
-    // 256, 64-key blocks, 4 warps) are tight even when not causal, and rebuild their addresses too:
-    // otherwise the loader's addresses spill.
+    // Tiles of 16 rows per warp whose threads load 12 or more 16-byte K/V chunks per block (head dim
+    // 256 with 64-key blocks and 4 warps: 16; head dim 192 with 128-key blocks and 8 warps: 12) are
+    // tight even when not causal, and rebuild their addresses too: otherwise the loader's addresses
+    // spill (8 bytes in the d192 tile, a tuning candidate; no default tile has 12-15 chunks).
     static constexpr int kKvChunksPerThread = kBlockN * kHeadDim * 2 / 16 / kThreads;
     static constexpr bool kTightRegisters =
-        kDTiles >= 12 && kAccRegisters >= 160 && (kMTiles >= 2 || kCausal || kKvChunksPerThread >= 16);
-    static constexpr bool kRebuildAddresses = kTightRegisters && (kMTiles >= 2 || kKvChunksPerThread >= 16);
+        kDTiles >= 12 && kAccRegisters >= 160 && (kMTiles >= 2 || kCausal || kKvChunksPerThread >= 12);
+    static constexpr bool kRebuildAddresses = kTightRegisters && (kMTiles >= 2 || kKvChunksPerThread >= 12);
     static constexpr bool kSumsInSmem = kTightRegisters && kMTiles >= 2;
     static constexpr int kSumsBytes = kSumsInSmem ? kThreads * kMTiles * 2 * 4 : 0;
     static constexpr int kSmemBytes = QTile::kBytes + kStages * KVTile::kBytes + kSumsBytes;
