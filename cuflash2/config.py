@@ -307,18 +307,25 @@ _FWD_FULL_TILES_SM90 = {256: (64, 64, 4, 2)}
 # performance log item 42). (128x128 with 8 warps measured faster still at d192 4k, 1.13x, but
 # spills 8 bytes.)
 _FWD_TILES_SM90 = {160: (64, 64, 4, 2), 192: (64, 64, 4, 2)}
+# Causal grids hold a sequence's query blocks in grid y (at most MAX_GRID_YZ): past this many query
+# rows the 64-row tiles above would not fit, and the 128-row tile of the table below takes over.
+FWD_LONG_CAUSAL_SEQLEN = MAX_GRID_YZ * 64
 
 
 def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool = False,
                    seqlen: int | None = None) -> KernelConfig:
     """Tile shape for the forward kernel on compute capability `arch` (`variant`: the kernel with
     varlen / window / softcap / ALiBi support; `seqlen`, the longer of the call's query and key
-    lengths when known, picks the short-sequence tile of causal calls)."""
-    return _forward_config(head_dim, dtype, causal, arch, variant, seqlen is not None and seqlen <= FWD_SHORT_SEQLEN)
+    lengths when known, picks the short-sequence tile of causal calls, and a 128-row tile for causal
+    calls too long for a grid of 64-row blocks)."""
+    known = seqlen is not None
+    return _forward_config(head_dim, dtype, causal, arch, variant, known and seqlen <= FWD_SHORT_SEQLEN,
+                           known and bool(causal) and seqlen > FWD_LONG_CAUSAL_SEQLEN)
 
 
-@functools.lru_cache(maxsize=4096)  # keyed on short, not the length: every length shares two entries
-def _forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool, short: bool) -> KernelConfig:
+@functools.lru_cache(maxsize=4096)  # keyed on short / long, not the length: every length shares three entries
+def _forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool, short: bool,
+                    long_causal: bool = False) -> KernelConfig:
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
     plain_sm90 = not variant and arch == 90
@@ -326,7 +333,7 @@ def _forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant:
         tiles = _FWD_SHORT_CAUSAL_TILES_SM90[bucket]
     elif plain_sm90 and not causal and bucket in _FWD_FULL_TILES_SM90:
         tiles = _FWD_FULL_TILES_SM90[bucket]
-    elif plain_sm90 and bucket in _FWD_TILES_SM90:
+    elif plain_sm90 and bucket in _FWD_TILES_SM90 and not long_causal:
         tiles = _FWD_TILES_SM90[bucket]
     elif _large_smem(arch):
         tiles = ((_FWD_VARIANT_TILES_LARGE_SMEM.get(bucket) if variant else None)
@@ -580,7 +587,7 @@ def all_forward_configs(arch: int) -> list[KernelConfig]:
     """Every forward instantiation the library can launch on `arch`."""
     configs = [forward_config(bucket, dtype, causal, arch, variant, seqlen)
                for variant in (False, True) for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)
-               for seqlen in (None, FWD_SHORT_SEQLEN)]
+               for seqlen in (None, FWD_SHORT_SEQLEN, FWD_LONG_CAUSAL_SEQLEN + 1)]
     return list(dict.fromkeys(configs))
 
 

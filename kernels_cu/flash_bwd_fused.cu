@@ -7,11 +7,13 @@
 //   S^T = K Q^T, dP^T = V dO^T                 keys of the group x queries of column group c
 //   P^T = exp(scale S^T - LSE), dS^T = P^T (dP^T - D)  -> shared memory (16-bit), for every warp
 //   dV += P^T dO, dK += dS^T Q                 keys of the group x head-dim columns of column group c
-//   dQ  = dS K                                 32 query rows x a column group per warp, staged in
-//                                              fp32 and added to the global accumulator by one bulk
-//                                              reduction per query block (dq_staging.cuh)
-// Every fragment read from shared memory feeds two 16-row MMA tiles; the main backward kernel
-// (flash_bwd.cu, one 16-key tile per warp) feeds one, and recomputes S and dP for dQ in a second kernel.
+//   dQ  = dS K                                 32 query rows (16 at head dim 96) x a column group
+//                                              per warp, staged in fp32 and added to the global
+//                                              accumulator by one bulk reduction per query block
+//                                              (dq_staging.cuh)
+// Every fragment read from shared memory feeds two 16-row MMA tiles (the dQ product's dS fragments
+// one, at head dim 96); the main backward kernel (flash_bwd.cu, one 16-key tile per warp) feeds
+// one, and recomputes S and dP for dQ in a second kernel.
 // Plain attention only (causal or not, MHA or GQA); the optional features use flash_bwd.cu.
 #include "ptx.cuh"
 #include "smem_tile.cuh"

@@ -40,7 +40,9 @@ struct FwdTraits {
     // Tiles of 16 rows per warp whose threads load 12 or more 16-byte K/V chunks per block (head dim
     // 256 with 64-key blocks and 4 warps: 16; head dim 192 with 128-key blocks and 8 warps: 12) are
     // tight even when not causal, and rebuild their addresses too: otherwise the loader's addresses
-    // spill (8 bytes in the d192 tile, a tuning candidate; no default tile has 12-15 chunks).
+    // spill (8 bytes in that d192 tile, a tuning candidate). The default tiles with 12-15 chunks
+    // (d192 64x64 with 4 warps: 12; d224 64x64 on 99 KB parts: 14) keep fewer than 160
+    // accumulator registers, so the threshold leaves them as they were.
     static constexpr int kKvChunksPerThread = kBlockN * kHeadDim * 2 / 16 / kThreads;
     static constexpr bool kTightRegisters =
         kDTiles >= 12 && kAccRegisters >= 160 && (kMTiles >= 2 || kCausal || kKvChunksPerThread >= 12);

@@ -149,17 +149,21 @@ def test_variant_configs_mirror_the_plain_ones():
     tile spills with the extra per-element work (recorded in config.py)."""
     for arch in (80, 86, 90):
         configs = all_forward_configs(arch)
-        short = [c for d in config.HEAD_DIM_BUCKETS for t in config.DTYPES
-                 if (c := forward_config(d, t, True, arch, seqlen=config.FWD_SHORT_SEQLEN)) != forward_config(d, t, True, arch)]
-        plain = [c for c in configs if not c.variant and c not in short]  # short-sequence tiles: plain only
+        # tiles of causal calls by length (short; too long for 64-row grids): plain only
+        by_length = [c for d in config.HEAD_DIM_BUCKETS for t in config.DTYPES
+                     for seqlen in (config.FWD_SHORT_SEQLEN, config.FWD_LONG_CAUSAL_SEQLEN + 1)
+                     if (c := forward_config(d, t, True, arch, seqlen=seqlen)) != forward_config(d, t, True, arch)]
+        plain = [c for c in configs if not c.variant and c not in by_length]
         variant = [c for c in configs if c.variant]
         assert len(plain) == len(variant) == len(config.HEAD_DIM_BUCKETS) * 2 * 2
         for c in plain:
             twin = forward_config(c.head_dim, c.dtype, c.causal, arch, variant=True)
             assert twin.variant and (twin.head_dim, twin.dtype, twin.causal) == (c.head_dim, c.dtype, c.causal)
             own_tiles = config._FWD_VARIANT_TILES_SMALL_SMEM if arch == 86 else config._FWD_VARIANT_TILES_LARGE_SMEM
-            plain_only = arch == 90 and c.head_dim in config._FWD_TILES_SM90  # measured for plain attention
-            if c.head_dim not in own_tiles and not plain_only:  # the others have their own variant tiles
+            if arch == 90 and c.head_dim in config._FWD_TILES_SM90:  # measured for plain attention only
+                assert (twin.block_m, twin.block_n, twin.warps, twin.stages) == \
+                    config._FWD_TILES_LARGE_SMEM[c.head_dim], c.short_id()
+            elif c.head_dim not in own_tiles:  # the others have their own variant tiles (config.py)
                 assert dataclasses.replace(twin, variant=False) == c
         plan = backward_plan(128, "bf16", True, arch, variant=True)
         assert all(k.variant for k in (*plan.main, plan.dq))
@@ -401,6 +405,12 @@ def test_sm90_forward_tile_of_head_dims_160_and_192(head_dim):
         for seqlen in (None, 512):
             c = forward_config(head_dim, "bf16", causal, 90, seqlen=seqlen)
             assert (c.block_m, c.block_n, c.warps, c.stages) == (64, 64, 4, 2)
+        # causal grids of 64-row blocks hold up to 65535 x 64 query rows; longer calls take 128 rows
+        longest = config.MAX_GRID_YZ * 64
+        assert forward_config(head_dim, "bf16", causal, 90, seqlen=longest).block_m == 64
+        long_tile = forward_config(head_dim, "bf16", causal, 90, seqlen=longest + 1)
+        assert long_tile.block_m == (128 if causal else 64)
+        assert long_tile in all_forward_configs(90)  # compiled (and checked for spills) with the others
         assert forward_config(head_dim, "bf16", causal, 80).block_m == 128
         assert forward_config(head_dim, "bf16", causal, 90, variant=True).block_m == 128
     assert forward_config(224, "bf16", False, 90).block_m == 128
