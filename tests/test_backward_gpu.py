@@ -112,7 +112,8 @@ def test_noncontiguous_dout_and_given_outputs():
 
 
 _SM90_PLANS = [pytest.param({"atomic_dq": True}, hd, "bf16", id=f"atomic-{hd}") for hd in (64, 96, 128, 256)] + [
-    pytest.param({"fused": True}, hd, "bf16", id=f"fused-{hd}") for hd in (40, 64, 72, 80, 96, 120, 128, 144, 192, 200, 256)] + [
+    pytest.param({"fused": True}, hd, "bf16", id=f"fused-{hd}")
+    for hd in (40, 64, 72, 80, 96, 120, 128, 144, 192, 200, 256)] + [
     # fp16: masked exponentials may overflow to inf before the d64 build clears their halves
     pytest.param({"fused": True}, hd, "fp16", id=f"fused-{hd}-fp16") for hd in (64, 96, 128, 256)] + [
     # the d64 build with 64-row query blocks (a tuning tile): P^T in registers, two dQ buffers

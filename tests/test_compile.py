@@ -101,9 +101,9 @@ def test_decode_shared_memory_matches_the_kernel_traits():
 
 def test_fused_backward_shared_memory_matches_the_kernel_traits():
     """The same contract for the fused backward (FusedBwdTraits::kSmemBytes: dQ staged in buffers of
-    its own at head dims 96 and 128, one at 64 and 192, over a consumed Q/dO stage at 256; kDqPadBytes: the padding of the
-    staged and accumulated dQ rows, which the host allocates; kDqRowInterleave: the row permutation
-    the convert kernel undoes)."""
+    its own at head dims 96 and 128, one at 64 and 192, over a consumed Q/dO stage at 256;
+    kDqPadBytes: the padding of the staged and accumulated dQ rows, which the host allocates;
+    kDqRowInterleave: the row permutation the convert kernel undoes)."""
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
     tiles = {f"FusedBwdTraits<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}>":
              (c.smem_bytes, c.dq_row_pad_floats * 4, c.dq_row_interleave, c.short_id())
