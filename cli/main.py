@@ -78,7 +78,7 @@ def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ..
             for causal in (False, True):
                 for variant in (False, True):
                     if "fwd" in kinds:
-                        for seqlen in (None, cfg.FWD_SHORT_SEQLEN):  # the short-sequence tiles too
+                        for seqlen in cfg.FWD_SEQLEN_CLASSES:  # the tiles chosen by length too
                             unique[cfg.forward_config(dim, dtype, causal, arch, variant, seqlen)] = None
                         for rows in (64, cfg.KVCACHE_SHORT_ROWS, cfg.DECODE_ROWS):
                             unique[cfg.kvcache_config(dim, dtype, causal, arch, rows)] = None

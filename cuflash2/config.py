@@ -310,6 +310,9 @@ _FWD_TILES_SM90 = {160: (64, 64, 4, 2), 192: (64, 64, 4, 2)}
 # Causal grids hold a sequence's query blocks in grid y (at most MAX_GRID_YZ): past this many query
 # rows the 64-row tiles above would not fit, and the 128-row tile of the table below takes over.
 FWD_LONG_CAUSAL_SEQLEN = MAX_GRID_YZ * 64
+# One length from each class forward_config tells apart (unknown, short, too long for 64-row causal
+# grids): every forward tile the library can launch is forward_config(..., seqlen) for one of them.
+FWD_SEQLEN_CLASSES = (None, FWD_SHORT_SEQLEN, FWD_LONG_CAUSAL_SEQLEN + 1)
 
 
 def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool = False,
@@ -587,7 +590,7 @@ def all_forward_configs(arch: int) -> list[KernelConfig]:
     """Every forward instantiation the library can launch on `arch`."""
     configs = [forward_config(bucket, dtype, causal, arch, variant, seqlen)
                for variant in (False, True) for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)
-               for seqlen in (None, FWD_SHORT_SEQLEN, FWD_LONG_CAUSAL_SEQLEN + 1)]
+               for seqlen in FWD_SEQLEN_CLASSES]
     return list(dict.fromkeys(configs))
 
 
