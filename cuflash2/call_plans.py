@@ -27,11 +27,11 @@ import numpy as np
 from . import kvcache_step, launch, packed_launch
 from .compiler import get_kernel
 from .kvcache_step import StepLaunch, fill_arguments
+from .kvcache_step import aligned_offsets as scratch_layout  # (the name the tests and callers use)
 from .validate import TensorInfo, contiguous_info
 
 FORWARD_INPUTS, FORWARD_OUTPUTS = ("q", "k", "v"), ("out", "lse")
 BACKWARD_INPUTS, BACKWARD_OUTPUTS = ("dout", "q", "k", "v", "out", "lse"), ("dq", "dk", "dv")
-_SCRATCH_ALIGN = 256
 _MAX_PLANS = 256
 # Stand-in addresses of the recording: buffer i at _STAND_IN + i * 2^48 (far above any real address,
 # so an argument equal to one can only be that buffer's pointer).
@@ -122,15 +122,6 @@ def _memset_async(address: int, nbytes: int, stream: int) -> None:
     from cupy.cuda import runtime
 
     runtime.memsetAsync(address, 0, nbytes, stream)
-
-
-def scratch_layout(sizes: list[int]) -> tuple[list[int], int]:
-    """(byte offset of each region, total bytes): each region starts at a multiple of 256 bytes. Pure."""
-    offsets, total = [], 0
-    for nbytes in sizes:
-        offsets.append(total)
-        total += math.ceil(nbytes / _SCRATCH_ALIGN) * _SCRATCH_ALIGN
-    return offsets, total
 
 
 class Recorder:

@@ -328,7 +328,7 @@ def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: 
 
 @functools.lru_cache(maxsize=4096)  # keyed on short / long, not the length: every length shares three entries
 def _forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool, short: bool,
-                    long_causal: bool = False) -> KernelConfig:
+                    long_causal: bool) -> KernelConfig:
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
     plain_sm90 = not variant and arch == 90

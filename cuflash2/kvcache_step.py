@@ -33,16 +33,22 @@ _SCRATCH_ALIGN = 256
 _MAX_STEPS = 256
 
 
-def scratch_layout(regions: dict[str, int]) -> tuple[dict[str, int], int]:
-    """({name: byte offset}, total bytes) for scratch regions of the given sizes, each starting at a
-    multiple of 256 bytes (the kernels read partial outputs with 16-byte loads). Empty regions
-    are left out. Pure."""
-    offsets, total = {}, 0
-    for name, nbytes in regions.items():
-        if nbytes > 0:
-            offsets[name] = total
-            total += math.ceil(nbytes / _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """(byte offset of each region, total bytes) for scratch regions of the given sizes laid out
+    back to back, each starting at a multiple of 256 bytes (the kernels read partial outputs with
+    16-byte loads; empty regions take no bytes). Pure."""
+    offsets, total = [], 0
+    for nbytes in sizes:
+        offsets.append(total)
+        total += math.ceil(nbytes / _SCRATCH_ALIGN) * _SCRATCH_ALIGN
     return offsets, total
+
+
+def scratch_layout(regions: dict[str, int]) -> tuple[dict[str, int], int]:
+    """({name: byte offset}, total bytes) of aligned_offsets for named regions; empty regions are
+    left out. Pure."""
+    offsets, total = aligned_offsets(list(regions.values()))
+    return {name: offset for (name, nbytes), offset in zip(regions.items(), offsets) if nbytes > 0}, total
 
 
 class _Cupy:
@@ -271,4 +277,5 @@ def clear() -> None:
     _steps.clear()
 
 
-__all__ = ["Step", "StepLaunch", "call_key", "clear", "fill_arguments", "lookup", "register", "scratch_layout"]
+__all__ = ["Step", "StepLaunch", "aligned_offsets", "call_key", "clear", "fill_arguments", "lookup", "register",
+           "scratch_layout"]

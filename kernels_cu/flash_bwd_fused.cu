@@ -34,7 +34,8 @@ struct FusedBwdTraits {
     // dQ = dS K: each warp computes kDqWarpRows query rows x kDqTiles 8-column tiles. 32 rows unless
     // that leaves an odd number of tiles per warp (head dim 96: 3), then 16 rows (FA2's d96 layout:
     // 4 x 2 warps over 64 x 96).
-    static constexpr int kDqWarpRows = (kHeadDim / (kNWarps / (kBlockM / 32)) / 8) % 2 == 0 ? 32 : 16;
+    static constexpr int kDqTilesAt32Rows = kHeadDim / (kNWarps / (kBlockM / 32)) / 8;
+    static constexpr int kDqWarpRows = kDqTilesAt32Rows % 2 == 0 ? 32 : 16;
     static constexpr int kDqMTiles = kDqWarpRows / 16;
     static constexpr int kDqRowGroups = kBlockM / kDqWarpRows;
     static constexpr int kDqColGroups = kNWarps / kDqRowGroups;
