@@ -10,7 +10,8 @@
 #   PART=shapes    issue 5's other shapes with `cuflash2 bench` (forward and backward, seqlen 4k):
 #                  head dims 64/96/128/192, GQA (16 query / 4 kv heads), 2048 queries x 8192 keys
 #   PART=cli       FA2's whole grid through `cuflash2 bench` (the public API on CuPy arrays, what
-#                  issue 5 measures), forward then backward, JSON under $OUT: about 6 minutes
+#                  issue 5 measures), forward then backward (MODES="fwd bwd"), JSON under $OUT:
+#                  about 3 minutes a mode
 # Logs under $OUT.
 set -u
 OUT=${OUT:-gpu-logs}
@@ -33,7 +34,7 @@ elif [[ "${PART:-suite}" == shapes ]]; then
     grep -E "^(cuflash2|torch-flash) " "$OUT/shapes.log"
     exit 0
 elif [[ "${PART:-suite}" == cli ]]; then
-    for mode in fwd bwd; do
+    for mode in ${MODES:-fwd bwd}; do
         python -m cuflash2 bench --mode $mode --compare torch-flash,torch-cudnn --format json \
             -o "$OUT/cli-$mode.json" > "$OUT/cli-$mode.log" 2>&1
         grep -E "^(cuflash2|torch-flash) " "$OUT/cli-$mode.log"
