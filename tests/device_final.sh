@@ -10,7 +10,7 @@
 #   PART=shapes    issue 5's other shapes with `cuflash2 bench` (forward and backward, seqlen 4k):
 #                  head dims 64/96/128/192, GQA (16 query / 4 kv heads), 2048 queries x 8192 keys
 #   PART=cli       FA2's whole grid through `cuflash2 bench` (the public API on CuPy arrays, what
-#                  issue 5 measures), forward then backward (MODES="fwd bwd"), JSON under $OUT:
+#                  issue 5 measures), forward then backward (MODES="fwd bwd"; DTYPE=bf16), JSON under $OUT:
 #                  about 3 minutes a mode
 # Logs under $OUT.
 set -u
@@ -35,9 +35,9 @@ elif [[ "${PART:-suite}" == shapes ]]; then
     exit 0
 elif [[ "${PART:-suite}" == cli ]]; then
     for mode in ${MODES:-fwd bwd}; do
-        python -m cuflash2 bench --mode $mode --compare torch-flash,torch-cudnn --format json \
-            -o "$OUT/cli-$mode.json" > "$OUT/cli-$mode.log" 2>&1
-        grep -E "^(cuflash2|torch-flash) " "$OUT/cli-$mode.log"
+        python -m cuflash2 bench --mode $mode --dtype "${DTYPE:-bf16}" --compare torch-flash,torch-cudnn \
+            --format json -o "$OUT/cli-$mode-${DTYPE:-bf16}.json" > "$OUT/cli-$mode-${DTYPE:-bf16}.log" 2>&1
+        grep -E "^(cuflash2|torch-flash) " "$OUT/cli-$mode-${DTYPE:-bf16}.log"
     done
     exit 0
 elif [[ "${PART:-suite}" == suite ]]; then
