@@ -294,21 +294,24 @@ _FWD_VARIANT_TILES_SMALL_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2),
 # 8-warp tile's TFLOP/s (H200, kernels alone, rotating rounds; BENCHMARKS.md, performance log item
 # 35), 1.01x at 4k and 0.95-0.97x at 8k-16k. Longer keys mean longer blocks, hence the key length
 # counts too.
-_FWD_SHORT_CAUSAL_TILES_SM90 = {256: (64, 64, 4, 2)}
+# Head dims 160 and 192 likewise (below).
+_FWD_SHORT_CAUSAL_TILES_SM90 = {160: (64, 64, 4, 2), 192: (64, 64, 4, 2), 256: (64, 64, 4, 2)}
 FWD_SHORT_SEQLEN = 2048
 # Non-causal head dim 256 on sm_90 takes the same tile at every length: measured 1.035x (seqlen
 # 512), 1.05x (2k), 1.02x (4k), 1.017x (8k) and 1.007x (16k) the 128x64 8-warp tile (H200, kernels
 # alone, rotating rounds; BENCHMARKS.md, performance log item 36). Every key block is full there,
 # so two 4-warp blocks per SM keep the tensor cores busier than one 8-warp block.
 _FWD_FULL_TILES_SM90 = {256: (64, 64, 4, 2)}
-# Head dims 160 and 192 on sm_90 take FA2's 64x64 4-warp tile, causal or not, at every length:
-# against the 128x64 8-warp tile, d192 measured 1.10x (seqlen 1k) and 1.05x (4k) non-causal, 1.14x
-# and 1.09x causal; d160 1.09x, 1.03x, 1.11x and 1.09x (H200, kernels alone; BENCHMARKS.md,
-# performance log item 42). (128x128 with 8 warps measured faster still at d192 4k, 1.13x, but
-# spills 8 bytes.)
-_FWD_TILES_SM90 = {160: (64, 64, 4, 2), 192: (64, 64, 4, 2)}
+# Head dims 160 and 192 on sm_90: 128x128 with 8 warps (spill-free since the 12-chunk registers
+# threshold of flash_fwd.cu), except causal calls up to FWD_SHORT_SEQLEN, which keep FA2's 64x64
+# 4-warp tile (above). Against the 64x64 tile, d192 measured 1.015x (seqlen 512), 1.04x (1k),
+# 1.02x (2k), 1.085x (4k), 1.07x (8k) and 1.09x (16k) non-causal; causal 0.93x, 0.97x, 0.99x
+# below 2k and 1.025x, 1.07x, 1.09x at 4k-16k. d160: 1.00x (1k), 1.04x (4k), 1.03x (16k)
+# non-causal, causal 0.97x, 1.00x, 1.03x (H200, kernels alone; BENCHMARKS.md, performance log
+# item 44). The 64x64 tile itself measured 1.03-1.14x the 128x64 8-warp tile (item 42).
+_FWD_TILES_SM90 = {160: (128, 128, 8, 2), 192: (128, 128, 8, 2)}
 # Causal grids hold a sequence's query blocks in grid y (at most MAX_GRID_YZ): past this many query
-# rows the 64-row tiles above would not fit, and the 128-row tile of the table below takes over.
+# rows a 64-row tile would not fit, and a 128-row tile takes over.
 FWD_LONG_CAUSAL_SEQLEN = MAX_GRID_YZ * 64
 # One length from each class forward_config tells apart (unknown, short, too long for 64-row causal
 # grids): every forward tile the library can launch is forward_config(..., seqlen) for one of them.
@@ -336,13 +339,15 @@ def _forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant:
         tiles = _FWD_SHORT_CAUSAL_TILES_SM90[bucket]
     elif plain_sm90 and not causal and bucket in _FWD_FULL_TILES_SM90:
         tiles = _FWD_FULL_TILES_SM90[bucket]
-    elif plain_sm90 and bucket in _FWD_TILES_SM90 and not long_causal:
+    elif plain_sm90 and bucket in _FWD_TILES_SM90:
         tiles = _FWD_TILES_SM90[bucket]
     elif _large_smem(arch):
         tiles = ((_FWD_VARIANT_TILES_LARGE_SMEM.get(bucket) if variant else None)
                  or _FWD_TILES_LARGE_SMEM[bucket])
     else:
         tiles = (_FWD_VARIANT_TILES_SMALL_SMEM.get(bucket) if variant else None) or _FWD_TILES_SMALL_SMEM[bucket]
+    if long_causal and tiles[0] < 128 and _large_smem(arch):  # a guard: no 64-row causal tile reaches it today
+        tiles = _FWD_TILES_LARGE_SMEM[bucket]
     block_m, block_n, warps, stages = tiles
     config = KernelConfig(FWD, dtype, bucket, block_m, block_n, warps, stages, bool(causal), variant=bool(variant))
     assert config.smem_bytes <= smem_limit(arch), f"{config.short_id()} needs {config.smem_bytes} B"

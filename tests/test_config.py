@@ -399,21 +399,25 @@ def test_fused_backward_default_and_limits():
 
 @pytest.mark.parametrize("head_dim", [136, 160, 192])
 def test_sm90_forward_tile_of_head_dims_160_and_192(head_dim):
-    """Buckets 160 and 192 on sm_90 take the 64x64 4-warp tile (measured faster), causal or not, at
-    every length; the A100 and the variant kernels keep their own tiles, bucket 224 its own."""
+    """Buckets 160 and 192 on sm_90 take the 128x128 8-warp tile (measured faster), except causal
+    calls up to FWD_SHORT_SEQLEN, which take FA2's 64x64 4-warp tile; the A100 and the variant
+    kernels keep their own tiles, bucket 224 its own."""
+    def tile(causal, seqlen):
+        c = forward_config(head_dim, "bf16", causal, 90, seqlen=seqlen)
+        assert c in all_forward_configs(90)  # compiled (and checked for spills) with the others
+        return (c.block_m, c.block_n, c.warps, c.stages)
+
+    longest_64_row_causal = config.MAX_GRID_YZ * 64
+    for seqlen in (None, 512, config.FWD_SHORT_SEQLEN, config.FWD_SHORT_SEQLEN + 1, longest_64_row_causal + 1):
+        assert tile(False, seqlen) == (128, 128, 8, 2)
+    for seqlen in (512, config.FWD_SHORT_SEQLEN):
+        assert tile(True, seqlen) == (64, 64, 4, 2)
+    for seqlen in (None, config.FWD_SHORT_SEQLEN + 1, longest_64_row_causal + 1):
+        assert tile(True, seqlen) == (128, 128, 8, 2)
     for causal in (False, True):
-        for seqlen in (None, 512):
-            c = forward_config(head_dim, "bf16", causal, 90, seqlen=seqlen)
-            assert (c.block_m, c.block_n, c.warps, c.stages) == (64, 64, 4, 2)
-        # causal grids of 64-row blocks hold up to 65535 x 64 query rows; longer calls take 128 rows
-        longest = config.MAX_GRID_YZ * 64
-        assert forward_config(head_dim, "bf16", causal, 90, seqlen=longest).block_m == 64
-        long_tile = forward_config(head_dim, "bf16", causal, 90, seqlen=longest + 1)
-        assert long_tile.block_m == (128 if causal else 64)
-        assert long_tile in all_forward_configs(90)  # compiled (and checked for spills) with the others
-        assert forward_config(head_dim, "bf16", causal, 80).block_m == 128
-        assert forward_config(head_dim, "bf16", causal, 90, variant=True).block_m == 128
-    assert forward_config(224, "bf16", False, 90).block_m == 128
+        assert forward_config(head_dim, "bf16", causal, 80).block_n == 64
+        assert forward_config(head_dim, "bf16", causal, 90, variant=True).block_n == 64
+    assert forward_config(224, "bf16", False, 90).block_n == 64
 
 
 def test_fused_backward_smem_and_compile_list():
