@@ -18,11 +18,12 @@
         i64 dv_row_stride, i64 dv_head_stride, int seqlen_q, int seqlen_k, int head_dim, int kv_group,     \
         float scale_log2, float softmax_scale, CF_VARIANT_PARAMS, int nheads
 
-// Rows (row0 + mt * 16 + lane / 4 (+8)) x columns (col0 + nt * 8 + 2 * (lane % 4)) of a kMT x kTiles
-// block of MMA accumulator fragments, scaled, stored as T (16-bit, with row stride) or as fp32 (GQA:
-// a contiguous (batch, seqlen_k, nheads, head_dim) buffer summed over each group later). Rows past
+// Rows (row0 + mt * 16 + lane / 4 (+8)) x columns (col0 + 8 * chunk(nt) + 2 * (lane % 4)) of a kMT x
+// kTiles block of MMA accumulator fragments, scaled, stored as T (16-bit, with row stride) or as fp32
+// (GQA: a contiguous (batch, seqlen_k, nheads, head_dim) buffer summed over each group later).
+// chunk(nt): tile pairs kPairStride chunks apart (2: adjacent tiles; see ColumnShare). Rows past
 // valid_rows and columns past head_dim are not stored.
-template <class T, bool kFloatOut, int kMT, int kTiles>
+template <class T, bool kFloatOut, int kPairStride = 2, int kMT, int kTiles>
 CF_DEVICE void store_fragment_rows(const float (&acc)[kMT][kTiles][4], void* out, i64 row_stride, int row0,
                                    int valid_rows, int col0, int head_dim, float scale, int lane) {
 #pragma unroll
@@ -33,7 +34,7 @@ CF_DEVICE void store_fragment_rows(const float (&acc)[kMT][kTiles][4], void* out
             if (row >= valid_rows) continue;
 #pragma unroll
             for (int nt = 0; nt < kTiles; ++nt) {
-                const int col = col0 + nt * 8 + (lane % 4) * 2;
+                const int col = col0 + ((nt / 2) * kPairStride + nt % 2) * 8 + (lane % 4) * 2;
                 if (col >= head_dim) continue;
                 const float x = acc[mt][nt][2 * r] * scale, y = acc[mt][nt][2 * r + 1] * scale;
                 if (kFloatOut) {
@@ -45,13 +46,13 @@ CF_DEVICE void store_fragment_rows(const float (&acc)[kMT][kTiles][4], void* out
         }
 }
 
-// A warp's 32-row accumulator block (2 x kTiles 16x8 fragments: rows row0 + [0, 32), columns from
-// chunk `chunk0`) scaled, rounded to T and written into a swizzled shared tile with stmatrix, for a
-// block-wide 16-byte store afterwards (store_tile).
-template <class T, class Tile, int kTiles>
-CF_DEVICE void stage_fragments(u32 tile, const float (&acc)[2][kTiles][4], int row0, int chunk0, float scale,
+// A warp's 32-row accumulator block (2 x kTiles 16x8 fragments: rows row0 + [0, 32), the columns of
+// share `share` of a ColumnShare `Cols`) scaled, rounded to T and written into a swizzled shared tile
+// with stmatrix, for a block-wide 16-byte store afterwards (store_tile).
+template <class T, class Tile, class Cols, int kTiles>
+CF_DEVICE void stage_fragments(u32 tile, const float (&acc)[2][kTiles][4], int row0, int share, float scale,
                                int lane) {
-    const OffsetCursor<Tile> cur = offset_columns<kTiles>(LdsmCursor<Tile>(tile, row0 + lane % 16, lane / 16), chunk0);
+    const OffsetCursor<Tile> cur = Cols::cursor(LdsmCursor<Tile>(tile, row0 + lane % 16, lane / 16), share);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -59,7 +60,7 @@ CF_DEVICE void stage_fragments(u32 tile, const float (&acc)[2][kTiles][4], int r
             float lo[4], hi[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) lo[i] = acc[mt][2 * np][i] * scale, hi[i] = acc[mt][2 * np + 1][i] * scale;
-            stmatrix_x4(cur.cursor.at(mt * 16, cur.chunk0 + 2 * np), pack_tile_pair<T>(lo, hi).r);
+            stmatrix_x4(cur.cursor.at(mt * 16, cur.chunk0 + Cols::kPairStride * np), pack_tile_pair<T>(lo, hi).r);
         }
 }
 

@@ -7,6 +7,8 @@
 //   S^T = K Q^T, dP^T = V dO^T                 keys of the group x queries of column group c
 //   P^T = exp(scale S^T - LSE), dS^T = P^T (dP^T - D)  -> shared memory (16-bit), for every warp
 //   dV += P^T dO, dK += dS^T Q                 keys of the group x head-dim columns of column group c
+//                                              (interleaved by tile pairs at head dims 96 and 192:
+//                                              ColumnShare, smem_tile.cuh)
 //   dQ  = dS K                                 32 query rows (16 at head dim 96) x a column group
 //                                              per warp, staged in fp32 and added to the global
 //                                              accumulator by one bulk reduction per query block
@@ -40,6 +42,10 @@ struct FusedBwdTraits {
     static constexpr int kDqRowGroups = kBlockM / kDqWarpRows;
     static constexpr int kDqColGroups = kNWarps / kDqRowGroups;
     static constexpr int kDqTiles = kHeadDim / kDqColGroups / 8;
+    // The columns of a warp's dK / dV (kDTiles of column group c) and dQ (kDqTiles) parts: contiguous,
+    // or interleaved by tile pairs at head dims 96 and 192 (6 tiles a warp; see ColumnShare).
+    using DkvCols = ColumnShare<kDTiles, kColGroups, SwizzledTile<kBlockM, kHeadDim>::kChunksPerRow>;
+    using DqCols = ColumnShare<kDqTiles, kDqColGroups, SwizzledTile<kBlockN, kHeadDim>::kChunksPerRow>;
     // Head dim 64: P^T stays in registers (16-bit) through the dP product, for dS^T, and masking
     // waits until after the exponentials, so that no branch separates those from the S^T product:
     // the compiler then overlaps the exponentials with the product's MMAs, as FA2's build does (ncu:
@@ -191,10 +197,9 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     // stmatrix / ldmatrix: pt_frag.at(mt * 16, 2 * np) is tile pair (2 np, 2 np + 1) of row tile mt.
     const auto pt_frag = pt_as_a.template shifted<Tr::kSTiles>(warp_query0 / 8);
     const auto dst_frag = dst_as_a.template shifted<Tr::kSTiles>(warp_query0 / 8);
-    // Q / dO read as B for dV and dK, from this warp's first column.
+    // Q / dO read as B for dV and dK: this warp's columns.
     auto dkv_b_operand = [&](u32 tile) {
-        return offset_columns<Tr::kDTiles>(LdsmCursor<typename Tr::QTile>(tile, lane % 16, lane / 16),
-                                           col_group * Tr::kDTiles);
+        return Tr::DkvCols::cursor(LdsmCursor<typename Tr::QTile>(tile, lane % 16, lane / 16), col_group);
     };
 
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
@@ -309,8 +314,9 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         load_query_block(m_block + 1);
 
         const auto do_as_b = dkv_b_operand(do_smem), q_as_b = dkv_b_operand(q_smem);
-        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dv, pt_as_a, do_as_b.cursor, do_as_b.chunk0);  // dV += P^T dO
-        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16>(acc_dk, dst_as_a, q_as_b.cursor, q_as_b.chunk0);    // dK += dS^T Q
+        constexpr int kDkvStride = Tr::DkvCols::kPairStride;
+        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16, kDkvStride>(acc_dv, pt_as_a, do_as_b.cursor, do_as_b.chunk0);  // dV += P^T dO
+        gemm_ab<T, 2, Tr::kDTiles, kBlockM / 16, kDkvStride>(acc_dk, dst_as_a, q_as_b.cursor, q_as_b.chunk0);    // dK += dS^T Q
         if (Tr::kDqInStage) __syncthreads();  // every warp is done with this stage's Q and dO: dQ goes there
         // dQ = dS K for rows [dq_row0, +kDqWarpRows) of this query block, kDqChunk 8-column tiles at a time
         // (few live registers next to the dK / dV accumulators).
@@ -319,23 +325,25 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         // copy of the thread id: computed once before the loop they would stay live through all of
         // it next to the accumulators (one of them spilled at head dim 128).
         const int lane_q = opaque_int(threadIdx.x) % 32, warp_q = opaque_int(threadIdx.x) / 32;
-        const int dq_row0 = (warp_q % Tr::kDqRowGroups) * Tr::kDqWarpRows;  // first row and column tile
-        const int dq_tile0 = (warp_q / Tr::kDqRowGroups) * Tr::kDqTiles;
+        const int dq_row0 = (warp_q % Tr::kDqRowGroups) * Tr::kDqWarpRows;  // first row, column share
+        const int dq_share = warp_q / Tr::kDqRowGroups;
         const auto dst_as_at = LdsmCursor<typename Tr::PTile>(dst_smem, (lane_q / 16) * 8 + lane_q % 8, (lane_q / 8) % 2)
                                    .template shifted<Tr::kDqWarpRows / 8>(dq_row0 / 8);  // rows = chunks of dS^T columns
-        const auto k_as_b = offset_columns<Tr::kDqTiles>(  // trans: rows = keys
-            LdsmCursor<typename Tr::KTile>(k_smem, lane_q % 16, lane_q / 16), dq_tile0);
+        const auto k_as_b = Tr::DqCols::cursor(  // trans: rows = keys
+            LdsmCursor<typename Tr::KTile>(k_smem, lane_q % 16, lane_q / 16), dq_share);
+        constexpr int kDqStride = Tr::DqCols::kPairStride;
 #pragma unroll
         for (int t0 = 0; t0 < Tr::kDqTiles; t0 += kDqChunk) {
             float acc_dq[Tr::kDqMTiles][kDqChunk][4];
             zero_acc(acc_dq);
-            gemm_atb<T, Tr::kDqMTiles, kDqChunk, kBlockN / 16>(acc_dq, dst_as_at, 0, k_as_b.cursor, k_as_b.chunk0 + t0);
+            gemm_atb<T, Tr::kDqMTiles, kDqChunk, kBlockN / 16, kDqStride>(acc_dq, dst_as_at, 0, k_as_b.cursor,
+                                                                          k_as_b.chunk0 + (t0 / 2) * kDqStride);
 #pragma unroll
             for (int mt = 0; mt < Tr::kDqMTiles; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < kDqChunk; ++nt)
-                    dq_stage.store_fragment(dq_buf, dq_row0 + mt * 16 + lane_q / 4, (dq_tile0 + t0 + nt) * 8 + (lane_q % 4) * 2,
-                                            acc_dq[mt][nt]);
+                    dq_stage.store_fragment(dq_buf, dq_row0 + mt * 16 + lane_q / 4,
+                                            Tr::DqCols::chunk(dq_share, t0 + nt) * 8 + (lane_q % 4) * 2, acc_dq[mt][nt]);
         }
         dq_stage.order_stores_before_bulk();  // sent after the next barrier
     }
@@ -353,12 +361,16 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     const int head_e = at_e.head, batch_e = at_e.batch;
     const int key0_e = at_e.block * kBlockN, warp_row0 = (warp_e % Tr::kKeyGroups) * Tr::kWarpKeys;
     const int row0 = key0_e + warp_row0;
-    const int col0 = (warp_e / Tr::kKeyGroups) * (kHeadDim / Tr::kColGroups);
+    const int col_share = warp_e / Tr::kKeyGroups;
     if (kFloatDkv) {
         const i64 rs = (i64)Grid::heads(nheads) * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
         const i64 base = (((i64)batch_e * seqlen_k) * Grid::heads(nheads) + head_e) * head_dim;
-        store_fragment_rows<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seqlen_k, col0, head_dim, softmax_scale, lane_e);
-        store_fragment_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seqlen_k, col0, head_dim, 1.f, lane_e);
+        const int col0 = Tr::DkvCols::chunk(col_share, 0) * 8;
+        constexpr int kStride = Tr::DkvCols::kPairStride;
+        store_fragment_rows<T, true, kStride>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seqlen_k, col0, head_dim,
+                                              softmax_scale, lane_e);
+        store_fragment_rows<T, true, kStride>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seqlen_k, col0, head_dim,
+                                              1.f, lane_e);
     } else {
         // Staged through the K and V tiles (free once every warp is past the last dQ product; with
         // no query block, once the prologue's copies have landed) and stored with 16-byte writes:
@@ -366,9 +378,8 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         // seqlen 512, where the epilogue weighs most: half of every stored sector unused).
         cp_async_wait<0>();
         __syncthreads();
-        const int chunk0 = col0 / 8;
-        stage_fragments<T, typename Tr::KTile>(k_smem, acc_dk, warp_row0, chunk0, softmax_scale, lane_e);
-        stage_fragments<T, typename Tr::KTile>(v_smem, acc_dv, warp_row0, chunk0, 1.f, lane_e);
+        stage_fragments<T, typename Tr::KTile, typename Tr::DkvCols>(k_smem, acc_dk, warp_row0, col_share, softmax_scale, lane_e);
+        stage_fragments<T, typename Tr::KTile, typename Tr::DkvCols>(v_smem, acc_dv, warp_row0, col_share, 1.f, lane_e);
         __syncthreads();
         const int kv_head_e = head_e / kv_group;
         u16* dk_rows = static_cast<u16*>(dk) + batch_e * dk_batch_stride + kv_head_e * dk_head_stride + (i64)key0_e * dk_row_stride;

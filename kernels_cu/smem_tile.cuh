@@ -74,6 +74,36 @@ CF_DEVICE OffsetCursor<Tile> offset_columns(const LdsmCursor<Tile>& cursor, int 
     }
 }
 
+// A warp's share of a tile's columns: kTiles 8-column tiles (kTiles / 2 pairs), one of kShares equal
+// shares of the row. Shares are contiguous (share s from chunk s * kTiles) unless kTiles is not a
+// power of two and the shares' first pairs fill a panel row exactly (2 * kShares == kChunksPerRow:
+// head dims 96 and 192, 6 tiles a share). Then the shares interleave by pairs: pair np of share s
+// sits at chunk 2 s + np * 2 kShares. Its run-time part 2 s stays inside a panel row and folds into
+// the lane's xor once (LdsmCursor::shifted: the compile-time parts, multiples of kChunksPerRow, share
+// no bits with it), so every ldmatrix address is the cursor plus a constant, where a contiguous
+// 6-tile share needs a run-time panel and xor per ldmatrix. (ncu had counted 12% more instructions
+// than FA2's head-dim-192 backward for the same MMAs, all integer; interleaving measured 1.005-1.024x
+// at head dim 96 and 0.995-1.001x at 192: BENCHMARKS.md, log item 45.)
+template <int kTiles, int kShares, int kChunksPerRow>
+struct ColumnShare {
+    static constexpr bool kInterleaved = (kTiles & (kTiles - 1)) != 0 && 2 * kShares == kChunksPerRow;
+    static constexpr int kPairStride = kInterleaved ? 2 * kShares : 2;  // chunks from one pair to the next
+    // First chunk of tile t (0 <= t < kTiles) of share `share`.
+    static CF_DEVICE int chunk(int share, int t) {
+        return kInterleaved ? 2 * share + (t / 2) * kPairStride + t % 2 : share * kTiles + t;
+    }
+    // The share's cursor: pair np at at(row, chunk0 + np * kPairStride).
+    template <class Tile>
+    static CF_DEVICE OffsetCursor<Tile> cursor(const LdsmCursor<Tile>& tile_cursor, int share) {
+        static_assert(Tile::kChunksPerRow == kChunksPerRow, "a share of this tile's rows");
+        if constexpr (kInterleaved) {
+            return {tile_cursor.template shifted<2>(2 * share), 0};
+        } else {
+            return offset_columns<kTiles>(tile_cursor, share * kTiles);
+        }
+    }
+};
+
 // Asynchronous global -> shared copier for kRows x kCols tiles, as one thread sees it.
 // Threads are laid out over one panel (kChunksPerRow chunks wide, kThreads / kChunksPerRow rows tall)
 // and step down the rows and across the panels. A thread's chunk column never changes, and its row

@@ -67,14 +67,15 @@ CF_DEVICE FragPair pack_tile_pair(const float (&c0)[4], const float (&c1)[4]) {
 }
 
 // One k-step of acc[MT][NT] += A * B for A fragments in registers and B (16 x NT*8, row-major in
-// smem, rows from 16 * ks, columns from chunk b_chunk0) read with ldmatrix.trans.
-template <class T, int MT, int NT, class BTile>
+// smem, rows from 16 * ks, columns from chunk b_chunk0) read with ldmatrix.trans. Tile pair np of B
+// starts kPairStride chunks after pair np - 1 (2: adjacent; more: ColumnShare's interleaved shares).
+template <class T, int kPairStride = 2, int MT, int NT, class BTile>
 CF_DEVICE void mma_row_major_b(float (&acc)[MT][NT][4], const u32 (&a)[MT][4], const LdsmCursor<BTile>& b_cur,
                                int ks, int b_chunk0) {
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
         u32 b[4];  // {b0, b1} of tile 2np, then of tile 2np + 1
-        ldmatrix_x4_trans(b_cur.at(ks * 16, b_chunk0 + 2 * np), b);
+        ldmatrix_x4_trans(b_cur.at(ks * 16, b_chunk0 + kPairStride * np), b);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             T::mma(acc[mt][2 * np], a[mt], b[0], b[1]);
@@ -99,8 +100,8 @@ CF_DEVICE void gemm_rs(float (&acc)[MT][NT][4], const float (&a_acc)[MT][KT][4],
 }
 
 // acc[MT][NT] += A * B with A (MT*16 x KSteps*16) row-major in smem and B (KSteps*16 x NT*8) row-major
-// in smem, read with ldmatrix.trans from column chunk b_chunk0.
-template <class T, int MT, int NT, int KSteps, class ATile, class BTile>
+// in smem, read with ldmatrix.trans from column chunk b_chunk0 (pairs kPairStride chunks apart).
+template <class T, int MT, int NT, int KSteps, int kPairStride = 2, class ATile, class BTile>
 CF_DEVICE void gemm_ab(float (&acc)[MT][NT][4], const LdsmCursor<ATile>& a_cur, const LdsmCursor<BTile>& b_cur,
                        int b_chunk0) {
 #pragma unroll
@@ -108,13 +109,14 @@ CF_DEVICE void gemm_ab(float (&acc)[MT][NT][4], const LdsmCursor<ATile>& a_cur, 
         u32 a[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a_cur.at(mt * 16, 2 * ks), a[mt]);
-        mma_row_major_b<T>(acc, a, b_cur, ks, b_chunk0);
+        mma_row_major_b<T, kPairStride>(acc, a, b_cur, ks, b_chunk0);
     }
 }
 
 // acc[MT][NT] += A * B with A^T (KSteps*16 x MT*16) and B (KSteps*16 x NT*8) row-major in smem, both
-// read with ldmatrix.trans. A rows start at a_chunk0 (in 8-column chunks), B columns at b_chunk0.
-template <class T, int MT, int NT, int KSteps, class ATile, class BTile>
+// read with ldmatrix.trans. A rows start at a_chunk0 (in 8-column chunks), B columns at b_chunk0
+// (pairs kPairStride chunks apart).
+template <class T, int MT, int NT, int KSteps, int kPairStride = 2, class ATile, class BTile>
 CF_DEVICE void gemm_atb(float (&acc)[MT][NT][4], const LdsmCursor<ATile>& at_cur, int a_chunk0,
                         const LdsmCursor<BTile>& b_cur, int b_chunk0) {
 #pragma unroll
@@ -126,6 +128,6 @@ CF_DEVICE void gemm_atb(float (&acc)[MT][NT][4], const LdsmCursor<ATile>& at_cur
             ldmatrix_x4_trans(at_cur.at(ks * 16, a_chunk0 + 2 * mt), r);
             a[mt][0] = r[0]; a[mt][1] = r[1]; a[mt][2] = r[2]; a[mt][3] = r[3];
         }
-        mma_row_major_b<T>(acc, a, b_cur, ks, b_chunk0);
+        mma_row_major_b<T, kPairStride>(acc, a, b_cur, ks, b_chunk0);
     }
 }
