@@ -46,7 +46,8 @@ struct LdsmCursor {
     // chunk_even stays below kSpan. `chunks` (known only at run time, say a warp's column offset) is
     // a multiple of kSpan, a power of two, so adding it never carries into the bits of chunk_even:
     // its panel folds into the row address and its remainder into the lane's xor, and at() keeps
-    // compile-time offsets instead of computing a panel per call.
+    // compile-time offsets instead of computing a panel per call. (ColumnShare also uses it with
+    // chunks < kChunksPerRow and at() offsets that are multiples of kChunksPerRow: no shared bits.)
     template <int kSpan>
     CF_DEVICE LdsmCursor shifted(int chunks) const {
         static_assert(kSpan > 0 && (kSpan & (kSpan - 1)) == 0, "kSpan must be a power of two");
