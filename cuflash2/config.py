@@ -310,28 +310,25 @@ _FWD_FULL_TILES_SM90 = {256: (64, 64, 4, 2)}
 # non-causal, causal 0.97x, 1.00x, 1.03x (H200, kernels alone; BENCHMARKS.md, performance log
 # item 44). The 64x64 tile itself measured 1.03-1.14x the 128x64 8-warp tile (item 42).
 _FWD_TILES_SM90 = {160: (128, 128, 8, 2), 192: (128, 128, 8, 2)}
-# Causal grids hold a sequence's query blocks in grid y (at most MAX_GRID_YZ): past this many query
-# rows a 64-row tile would not fit, and a 128-row tile takes over.
+# Causal grids hold a sequence's query blocks in grid y (at most MAX_GRID_YZ; launch.py raises past
+# it): the longest causal call a 64-row tile could serve. On sm_90 only calls up to FWD_SHORT_SEQLEN
+# get one, so causal calls keep the 8.4M-row limit of 128-row tiles (tests/test_config.py).
 FWD_LONG_CAUSAL_SEQLEN = MAX_GRID_YZ * 64
-# One length from each class forward_config tells apart (unknown, short, too long for 64-row causal
-# grids): every forward tile the library can launch is forward_config(..., seqlen) for one of them.
-FWD_SEQLEN_CLASSES = (None, FWD_SHORT_SEQLEN, FWD_LONG_CAUSAL_SEQLEN + 1)
+# One length from each class forward_config tells apart (unknown, short): every forward tile the
+# library can launch is forward_config(..., seqlen) for one of them.
+FWD_SEQLEN_CLASSES = (None, FWD_SHORT_SEQLEN)
 
 
 def forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool = False,
                    seqlen: int | None = None) -> KernelConfig:
     """Tile shape for the forward kernel on compute capability `arch` (`variant`: the kernel with
     varlen / window / softcap / ALiBi support; `seqlen`, the longer of the call's query and key
-    lengths when known, picks the short-sequence tile of causal calls, and a 128-row tile for causal
-    calls too long for a grid of 64-row blocks)."""
-    known = seqlen is not None
-    return _forward_config(head_dim, dtype, causal, arch, variant, known and seqlen <= FWD_SHORT_SEQLEN,
-                           known and bool(causal) and seqlen > FWD_LONG_CAUSAL_SEQLEN)
+    lengths when known, picks the short-sequence tile of causal calls)."""
+    return _forward_config(head_dim, dtype, causal, arch, variant, seqlen is not None and seqlen <= FWD_SHORT_SEQLEN)
 
 
-@functools.lru_cache(maxsize=4096)  # keyed on short / long, not the length: every length shares three entries
-def _forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool, short: bool,
-                    long_causal: bool) -> KernelConfig:
+@functools.lru_cache(maxsize=4096)  # keyed on short, not the length: every length shares two entries
+def _forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant: bool, short: bool) -> KernelConfig:
     _check_dtype(dtype)
     bucket = head_dim_bucket(head_dim)
     plain_sm90 = not variant and arch == 90
@@ -346,8 +343,6 @@ def _forward_config(head_dim: int, dtype: str, causal: bool, arch: int, variant:
                  or _FWD_TILES_LARGE_SMEM[bucket])
     else:
         tiles = (_FWD_VARIANT_TILES_SMALL_SMEM.get(bucket) if variant else None) or _FWD_TILES_SMALL_SMEM[bucket]
-    if long_causal and tiles[0] < 128 and _large_smem(arch):  # a guard: no 64-row causal tile reaches it today
-        tiles = _FWD_TILES_LARGE_SMEM[bucket]
     block_m, block_n, warps, stages = tiles
     config = KernelConfig(FWD, dtype, bucket, block_m, block_n, warps, stages, bool(causal), variant=bool(variant))
     assert config.smem_bytes <= smem_limit(arch), f"{config.short_id()} needs {config.smem_bytes} B"
