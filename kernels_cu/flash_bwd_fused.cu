@@ -103,9 +103,10 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     // more independent accumulators per k-step (the product is latency-bound with 2 tiles) and
     // reload the dS fragments less often, but keep more registers live: 4 tiles measured 1.04-1.10x
     // at head dims 64 and 128 once the P^T / dS^T stores (stmatrix) and the loop-invariant addresses
-    // stopped taking registers (BENCHMARKS.md, log item 26). Head dim 192 has 6 tiles per warp.
-    // 16-row warps (head dim 96) take all 6 of their tiles in one pass: as many accumulators as 32 rows x 3.
-    constexpr int kDqChunk = Tr::kDqWarpRows == 16 ? Tr::kDqTiles : Tr::kDqTiles % 4 == 0 ? 4 : 2;
+    // stopped taking registers (BENCHMARKS.md, log item 26). Warps of 6 tiles (head dims 96 and 192)
+    // take all 6 in one pass: in 3 passes of 2 the d192 product re-read its dS fragments 3 times
+    // (13.6% more ldmatrix than FA2's kernel under ncu), and one pass still compiles spill-free.
+    constexpr int kDqChunk = Tr::kDqTiles % 4 == 0 ? 4 : Tr::kDqTiles;
     constexpr bool kSplitPrologue = kCausal || kHeadDim > 128;  // (see the prologue)
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
