@@ -11,7 +11,7 @@
 #                  head dims 64/96/128/192, GQA (16 query / 4 kv heads), 2048 queries x 8192 keys
 #   PART=cli       FA2's whole grid through `cuflash2 bench` (the public API on CuPy arrays, what
 #                  issue 5 measures), forward then backward (MODES="fwd bwd"; DTYPE=bf16), JSON under $OUT:
-#                  about 3 minutes a mode
+#                  about 3 minutes a mode; HEAD_DIMS (e.g. 96,192) replaces the grid's 64,128,256
 # Logs under $OUT.
 set -u
 OUT=${OUT:-gpu-logs}
@@ -35,9 +35,11 @@ elif [[ "${PART:-suite}" == shapes ]]; then
     exit 0
 elif [[ "${PART:-suite}" == cli ]]; then
     for mode in ${MODES:-fwd bwd}; do
+        name=cli-$mode-${DTYPE:-bf16}${HEAD_DIMS:+-d${HEAD_DIMS//,/-}}
+        # shellcheck disable=SC2086
         python -m cuflash2 bench --mode $mode --dtype "${DTYPE:-bf16}" --compare torch-flash,torch-cudnn \
-            --format json -o "$OUT/cli-$mode-${DTYPE:-bf16}.json" > "$OUT/cli-$mode-${DTYPE:-bf16}.log" 2>&1
-        grep -E "^(cuflash2|torch-flash) " "$OUT/cli-$mode-${DTYPE:-bf16}.log"
+            ${HEAD_DIMS:+--head-dim $HEAD_DIMS} --format json -o "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+        grep -E "^(cuflash2|torch-flash) " "$OUT/$name.log"
     done
     exit 0
 elif [[ "${PART:-suite}" == suite ]]; then
