@@ -149,9 +149,9 @@ def test_variant_configs_mirror_the_plain_ones():
     tile spills with the extra per-element work (recorded in config.py)."""
     for arch in (80, 86, 90):
         configs = all_forward_configs(arch)
-        # tiles of causal calls by length (short; too long for 64-row grids): plain only
+        # tiles of causal calls by length (the short-sequence class): plain only
         by_length = [c for d in config.HEAD_DIM_BUCKETS for t in config.DTYPES
-                     for seqlen in (config.FWD_SHORT_SEQLEN, config.FWD_LONG_CAUSAL_SEQLEN + 1)
+                     for seqlen in config.FWD_SEQLEN_CLASSES
                      if (c := forward_config(d, t, True, arch, seqlen=seqlen)) != forward_config(d, t, True, arch)]
         plain = [c for c in configs if not c.variant and c not in by_length]
         variant = [c for c in configs if c.variant]
@@ -407,7 +407,7 @@ def test_sm90_forward_tile_of_head_dims_160_and_192(head_dim):
         assert c in all_forward_configs(90)  # compiled (and checked for spills) with the others
         return (c.block_m, c.block_n, c.warps, c.stages)
 
-    longest_64_row_causal = config.MAX_GRID_YZ * 64
+    longest_64_row_causal = config.FWD_LONG_CAUSAL_SEQLEN
     for seqlen in (None, 512, config.FWD_SHORT_SEQLEN, config.FWD_SHORT_SEQLEN + 1, longest_64_row_causal + 1):
         assert tile(False, seqlen) == (128, 128, 8, 2)
     for seqlen in (512, config.FWD_SHORT_SEQLEN):
