@@ -15,7 +15,7 @@ from . import call_plans, interop, launch, reference
 from . import dropout as dropout_rng
 from .config import MAX_GRID_YZ
 from .dropout import check_dropout
-from .features import PLAIN, Features, check_alibi, check_softcap, check_window
+from .features import PLAIN, Features, check_alibi, check_rng_state, check_softcap, check_window
 from .validate import AttentionShape, validate_out, validate_qkv
 
 
@@ -37,14 +37,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     seqlen_k) fp32 is materialised in full and meant for testing only (with dropout, dropped entries
     are negated, as FA2's S_dmask).
     """
-    dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
-    window, softcap = check_window(window_size), check_softcap(softcap)
     framework = interop.framework_of(q)
+    if framework == "torch" and dropout_seed is None:  # torch_ops draws it from torch's CUDA generator
+        dropout = dropout_rng.DropoutSpec(check_dropout(dropout_p))
+    else:
+        dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
+    window, softcap = check_window(window_size), check_softcap(softcap)
     if framework == "torch":  # differentiable torch.library custom op
         from . import torch_ops
 
-        out, lse = torch_ops.forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
-                                     out, dropout)
+        out, lse, dropout = torch_ops.forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
+                                              deterministic, out, dropout, seed_given=dropout_seed is not None)
     elif framework == "jax":  # differentiable, jit-able (custom_vjp over buffer_callback)
         from . import jax_ops
 
@@ -53,21 +56,37 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                    dropout)
     else:
         out, lse = flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window,
-                                      softcap=softcap, alibi_slopes=alibi_slopes, out=out, dropout_p=dropout[0],
-                                      dropout_seed=dropout[1])
+                                      softcap=softcap, alibi_slopes=alibi_slopes, out=out, dropout_p=dropout.p,
+                                      dropout_seed=dropout.seed if dropout.p else None)
     if not return_attn_probs:
         return out
     return out, lse, attention_probs(q, k, lse, softmax_scale=softmax_scale, causal=causal, window_size=window,
-                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout[0],
-                                     dropout_seed=dropout[1])
+                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout.p,
+                                     **dropout_source(dropout))
 
 
-def resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed: bool) -> tuple[float, int, int]:
-    """(p, seed, offset), checked. Without a seed, draw_seed picks a fresh one (the autograd entry
-    points, which keep it for the backward); the explicit forward/backward functions need it given."""
+def dropout_source(dropout: dropout_rng.DropoutSpec) -> dict:
+    """The keyword arguments that hand a resolved spec's seed (or device rng_state) on."""
+    if dropout.p == 0:
+        return {}
+    if dropout.rng_state is not None:
+        return {"dropout_rng_state": dropout.rng_state}
+    return {"dropout_seed": dropout.seed, "dropout_offset": dropout.offset}
+
+
+def resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed: bool,
+                    rng_state=None) -> dropout_rng.DropoutSpec:
+    """The checked DropoutSpec of a call. Without a seed, draw_seed picks a fresh one (the autograd
+    entry points, which keep it for the backward); the explicit forward/backward functions need a
+    seed or a device rng_state (int64 (seed, offset), as torch's generator fills it)."""
     p = check_dropout(dropout_p)
     if p == 0.0:
-        return 0.0, 0, 0
+        return dropout_rng.NO_DROPOUT
+    if rng_state is not None:
+        if dropout_seed is not None:
+            raise ValueError("dropout_seed: expected None when dropout_rng_state is given (the kernels read "
+                             f"the seed from it), got {dropout_seed!r}")
+        return dropout_rng.DropoutSpec(p, 0, 0, rng_state)
     if dropout_seed is None:
         if not draw_seed:
             raise ValueError("dropout_seed: expected an int with dropout_p > 0 (the backward must regenerate "
@@ -75,7 +94,7 @@ def resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed: bool) ->
         dropout_seed = dropout_rng.new_seed()
     seed = dropout_rng.check_seed("dropout_seed", dropout_seed)
     offset = dropout_rng.check_seed("dropout_offset", dropout_offset)
-    return p, seed, offset
+    return dropout_rng.DropoutSpec(p, seed, offset)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -104,16 +123,18 @@ def _check_packed(name: str, x, parts: int) -> None:
 
 
 def flash_attn_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, out=None, *, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+                       alibi_slopes=None, out=None, *, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+                       dropout_rng_state=None):
     """Forward pass returning (out, softmax_lse); the building block of the public functions.
-    With dropout_p > 0, dropout_seed (and dropout_offset) must be given: pass the same to the
-    backward."""
+    With dropout_p > 0, dropout_seed (and dropout_offset) must be given, or dropout_rng_state: a
+    device int64 array (seed, offset) the kernels read when they run (CUDA-graph friendly). Pass
+    the same to the backward."""
     key = forward_plan_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
     result = call_plans.replay(key, (q, k, v)) if out is None else None
     if result is not None:  # a call signature seen before (cuflash2.call_plans)
         return result
     window, softcap = check_window(window_size), check_softcap(softcap)
-    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     if interop.framework_of(q) == "numpy":
         return _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, out, dropout)
     with interop.gpu_call(q) as call:
@@ -136,23 +157,36 @@ def forward_plan_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi
     return call_plans.forward_key(q, k, v, softmax_scale, causal, window_size, softcap)
 
 
-def gpu_features(call, shape: AttentionShape, device: str, window, softcap, alibi_slopes, dropout=(0.0, 0, 0),
-                 **varlen) -> Features:
+def gpu_features(call, shape: AttentionShape, device: str, window, softcap, alibi_slopes,
+                 dropout: dropout_rng.DropoutSpec = dropout_rng.NO_DROPOUT, **varlen) -> Features:
     """Validated Features of a GPU call (window, softcap and dropout already checked)."""
-    alibi = None
+    alibi = rng_state = None
     if alibi_slopes is not None:
         alibi = call.tensor("alibi_slopes", alibi_slopes)
         check_alibi(alibi, shape.batch, shape.nheads, device)
-    return Features(window[0], window[1], softcap, alibi, dropout_p=dropout[0], dropout_seed=dropout[1],
-                    dropout_offset=dropout[2], **varlen)
+    if dropout.rng_state is not None:
+        rng_state = call.tensor("dropout_rng_state", dropout.rng_state)
+        check_rng_state(rng_state, device)
+    return Features(window[0], window[1], softcap, alibi, dropout_p=dropout.p, dropout_seed=dropout.seed,
+                    dropout_offset=dropout.offset, dropout_rng_state=rng_state, **varlen)
+
+
+def host_dropout(call, dropout: dropout_rng.DropoutSpec) -> dropout_rng.DropoutSpec:
+    """The spec with the seed and offset on the host (reads a device rng_state back: a synchronising
+    copy, for the paths that rebuild the mask on the host side, probabilities and references)."""
+    if dropout.rng_state is None:
+        return dropout
+    seed, offset = (int(x) for x in call.to_cupy("dropout_rng_state", dropout.rng_state).get())
+    return dropout_rng.DropoutSpec(dropout.p, seed, offset)
 
 
 def forward_into(q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None, *, dropout_p=0.0, dropout_seed=None, dropout_offset=0) -> None:
+                 alibi_slopes=None, *, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+                 dropout_rng_state=None) -> None:
     """Forward pass writing into caller-allocated out and softmax_lse (GPU arrays of any framework)."""
     key = forward_plan_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
     window, softcap = check_window(window_size), check_softcap(softcap)
-    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     with interop.gpu_call(q) as call:
         shape, infos = _validated_inputs(call, q, k, v, softmax_scale)
         features = gpu_features(call, shape, infos[0].device, window, softcap, alibi_slopes, dropout)
@@ -214,8 +248,10 @@ def _check_grid(shape: AttentionShape) -> None:
             raise ValueError(f"q: expected {name} <= {MAX_GRID_YZ}, got {value}")
 
 
-def _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, out, dropout=(0.0, 0, 0)):
+def _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, out,
+                   dropout=dropout_rng.NO_DROPOUT):
     """CPU path: the NumPy tiled reference (slow; for CPU use and tests)."""
+    check_host_dropout(dropout)
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{name}: expected a NumPy array like q, got {type(x).__name__}")
@@ -225,7 +261,7 @@ def _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes
     if shape.seqlen_k == 0 or shape.batch == 0 or shape.seqlen_q == 0:
         result = np.zeros(q.shape, dtype=q.dtype)
         lse = np.full((shape.batch, shape.nheads, shape.seqlen_q), np.inf, dtype=np.float32)
-    elif dropout[0] > 0:  # the dense reference with the kernels' mask
+    elif dropout.p > 0:  # the dense reference with the kernels' mask
         keep, rescale = numpy_dropout_mask(dropout, shape)
         o64, lse = reference.attention_naive(q, k, v, softmax_scale=shape.softmax_scale, causal=causal,
                                              window_size=window, softcap=softcap, alibi_slopes=slopes,
@@ -245,11 +281,18 @@ def _forward_numpy(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes
     return result, lse.astype(np.float32)
 
 
+def check_host_dropout(dropout: dropout_rng.DropoutSpec) -> None:
+    """The NumPy path takes its seed on the host."""
+    if dropout.rng_state is not None:
+        raise TypeError("dropout_rng_state: expected None for NumPy arrays (pass dropout_seed), got "
+                        f"{type(dropout.rng_state).__name__}")
+
+
 def numpy_dropout_mask(dropout, shape: AttentionShape, xp=np):
-    """(keep mask (batch, nheads, seqlen_q, seqlen_k), 1 / (1 - effective p)) of a dropout call."""
-    p, seed, offset = dropout
-    keep = dropout_rng.keep_mask(xp, seed, offset, shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k, p)
-    return keep, 1.0 / (1.0 - dropout_rng.effective_dropout(p))
+    """(keep mask (batch, nheads, seqlen_q, seqlen_k), 1 / (1 - p)) of a dropout call (host seed)."""
+    keep = dropout_rng.keep_mask(xp, dropout.seed, dropout.offset, shape.batch, shape.nheads, shape.seqlen_q,
+                                 shape.seqlen_k, dropout.p)
+    return keep, dropout_rng.rescale(dropout.p)
 
 
 def numpy_alibi(alibi_slopes, shape: AttentionShape):
@@ -263,7 +306,7 @@ def numpy_alibi(alibi_slopes, shape: AttentionShape):
 
 
 def attention_probs(q, k, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+                    alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_rng_state=None):
     """softmax of the (masked, softcapped, ALiBi-biased) logits as fp32 (batch, nheads, seqlen_q,
     seqlen_k), rebuilt from the LSE. With dropout, the entries the kernels dropped are negated
     (FA2's S_dmask convention); the kept ones are not rescaled.
@@ -271,7 +314,7 @@ def attention_probs(q, k, softmax_lse, softmax_scale=None, causal=False, window_
     Materialises the full matrix: for tests and debugging only.
     """
     window, softcap = check_window(window_size), check_softcap(softcap)
-    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     if interop.framework_of(q) == "numpy":
         probs = _probs(np, q, k, softmax_lse, softmax_scale, causal, window, softcap, alibi_slopes)
         return _mark_dropped(np, probs, dropout)
@@ -280,14 +323,14 @@ def attention_probs(q, k, softmax_lse, softmax_scale=None, causal=False, window_
         slopes = None if alibi_slopes is None else call.to_cupy("alibi_slopes", alibi_slopes)
         cp = interop.import_cupy()
         probs = _probs(cp, qa, ka, la, softmax_scale, causal, window, softcap, slopes)
-        return call.result(_mark_dropped(cp, probs, dropout))
+        return call.result(_mark_dropped(cp, probs, host_dropout(call, dropout)))
 
 
-def _mark_dropped(xp, probs, dropout):
-    if dropout[0] == 0:
+def _mark_dropped(xp, probs, dropout: dropout_rng.DropoutSpec):
+    if dropout.p == 0:
         return probs
     b, h, sq, sk = probs.shape
-    keep = dropout_rng.keep_mask(xp, dropout[1], dropout[2], b, h, sq, sk, dropout[0])
+    keep = dropout_rng.keep_mask(xp, dropout.seed, dropout.offset, b, h, sq, sk, dropout.p)
     return xp.where(keep, probs, -probs)
 
 

@@ -11,19 +11,22 @@ from __future__ import annotations
 import numpy as np
 
 from . import call_plans, interop, launch, reference
-from .api import _check_grid, _fill, gpu_features, numpy_alibi, numpy_dropout_mask, resolve_dropout
+from .api import (_check_grid, _fill, check_host_dropout, gpu_features, numpy_alibi, numpy_dropout_mask,
+                  resolve_dropout)
+from .dropout import NO_DROPOUT
 from .features import check_softcap, check_window
 from .validate import AttentionShape, check_alignment, validate_qkv
 
 
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1),
                         softcap=0.0, alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, *,
-                        dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+                        dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_rng_state=None):
     """Gradients of flash_attn_func: returns (dq, dk, dv) shaped like q, k, v.
 
     dout, out: (batch, seqlen_q, nheads, headdim) like q; softmax_lse: fp32 (batch, nheads, seqlen_q)
     as returned by flash_attn_forward. dq/dk/dv may be given to receive the results. Dropout takes
-    the forward's dropout_p, dropout_seed and dropout_offset (the mask is regenerated).
+    the forward's dropout_p and dropout_seed/dropout_offset or dropout_rng_state (the mask is
+    regenerated).
     """
     key = backward_plan_key(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, softcap,
                             alibi_slopes, deterministic, dropout_p)
@@ -32,7 +35,7 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
     if result is not None:  # a call signature seen before (cuflash2.call_plans)
         return result
     window, softcap = check_window(window_size), check_softcap(softcap)
-    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     if interop.framework_of(q) == "numpy":
         return _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window, softcap, alibi_slopes,
                                dq, dk, dv, dropout)
@@ -107,8 +110,9 @@ def _check_lse(info, shape: AttentionShape) -> None:
 
 
 def _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window, softcap, alibi_slopes, dq, dk, dv,
-                    dropout=(0.0, 0, 0)):
+                    dropout=NO_DROPOUT):
     """CPU path: the NumPy tiled reference backward (slow; for CPU use and tests)."""
+    check_host_dropout(dropout)
     arrays = {"dout": dout, "k": k, "v": v, "out": out, "softmax_lse": softmax_lse}
     for name, x in arrays.items():
         if not isinstance(x, np.ndarray):
@@ -120,7 +124,7 @@ def _backward_numpy(dout, q, k, v, out, softmax_lse, softmax_scale, causal, wind
     _check_lse(interop.describe("softmax_lse", softmax_lse), shape)
     if shape.seqlen_k == 0 or shape.seqlen_q == 0 or shape.batch == 0:
         grads = tuple(np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
-    elif dropout[0] > 0:  # the dense reference with the kernels' mask
+    elif dropout.p > 0:  # the dense reference with the kernels' mask
         keep, rescale = numpy_dropout_mask(dropout, shape)
         grads = reference.attention_backward_naive(dout, q, k, v, out, softmax_lse, softmax_scale=shape.softmax_scale,
                                                    causal=causal, window_size=window, softcap=softcap,

@@ -1,21 +1,40 @@
 """Attention dropout: the keep mask the kernels draw, reproduced with NumPy or CuPy (`xp`).
 
-The kernels draw one Philox4x32-10 block (16 random bytes) per query row and 16 consecutive keys:
-counter = (key // 16, row, batch * nheads + head, offset), key = (seed low 32 bits, seed high 32
-bits); entry (row, key) is dropped iff byte key % 16 is below threshold = round(256 p). The drop
-probability is therefore quantised to multiples of 1/256 (`effective_dropout`), and kept entries
-are scaled by 1 / (1 - effective p), so the expectation of the output is exact.
+Entry (row, key) of head bh = batch * nheads + head draws a 16-bit number and is dropped iff it is
+below threshold = round(65536 p) (so the applied probability is within 2^-17 of p); kept entries
+are scaled by 1 / (1 - p). The numbers come from Philox4x32-10 (counter-based: the backward
+regenerates the forward's mask whatever its tiles): one call, counter = (group, row, bh, offset)
+and key = (seed low 32 bits, seed high 32 bits), yields the eight numbers of keys
+32 g + 8 t + 2 j + e (t = 0..3, e = 0..1) with group = 4 g + j, number 2 t + e.
+
+Seeds: CuPy, JAX and NumPy calls take an explicit `dropout_seed` (a fresh one when None). Torch
+calls without one draw (seed, offset) from torch's CUDA generator into a device tensor that the
+kernels read (`dropout_rng_state`), so `torch.manual_seed` reproduces the mask, activation
+checkpointing regenerates it, and CUDA-graph replays draw new ones.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numpy as np
 
 _M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
 _MASK32 = 0xFFFFFFFF
 _seed_source = np.random.default_rng()
+
+
+class DropoutSpec(NamedTuple):
+    """The dropout of one call: probability, and where the kernels take (seed, offset) from."""
+
+    p: float = 0.0
+    seed: int = 0
+    offset: int = 0
+    rng_state: Any = None  # a device int64 (seed, offset) pair, read by the kernels instead of seed/offset
+
+
+NO_DROPOUT = DropoutSpec()
 
 
 def check_dropout(dropout_p) -> float:
@@ -28,16 +47,26 @@ def check_dropout(dropout_p) -> float:
     return p
 
 
+#: Resolution of the drop probability: each entry draws a 16-bit number.
+THRESHOLD_SCALE = 1 << 16
+
+
 def dropout_threshold(p: float) -> int:
-    """Bytes below this are dropped (0: no dropout). At least 1 for any p > 0, at most 255."""
+    """16-bit numbers below this are dropped (0: no dropout). At least 1 for any p > 0."""
     if p <= 0.0:
         return 0
-    return min(255, max(1, round(p * 256)))
+    return min(THRESHOLD_SCALE - 1, max(1, round(p * THRESHOLD_SCALE)))
 
 
 def effective_dropout(p: float) -> float:
-    """The drop probability the kernels apply for a requested p (a multiple of 1/256)."""
-    return dropout_threshold(p) / 256.0
+    """The drop probability the kernels apply for a requested p (within 2^-17 of it, a multiple of
+    2^-16; at least 2^-16 for any p > 0)."""
+    return dropout_threshold(p) / THRESHOLD_SCALE
+
+
+def rescale(p: float) -> float:
+    """Factor of the kept entries: 1 / (1 - p) of the requested p (flash-attn's convention)."""
+    return 1.0 / (1.0 - p) if p > 0.0 else 1.0
 
 
 def new_seed() -> int:
@@ -81,11 +110,12 @@ def keep_mask(xp, seed: int, offset: int, batch: int, nheads: int, seqlen_q: int
     bh = (xp.asarray(np.asarray(batch_index, np.int64))[:, None] * nheads + xp.arange(nheads)[None, :])
     rows = xp.arange(seqlen_q)
     cols = xp.arange(seqlen_k)
-    words = philox4x32_10(xp, (cols // 16)[None, None, None, :], rows[None, None, :, None], bh[:, :, None, None],
+    group = (cols >> 5) * 4 + ((cols >> 1) & 3)
+    words = philox4x32_10(xp, group[None, None, None, :], rows[None, None, :, None], bh[:, :, None, None],
                           offset & _MASK32, seed & _MASK32, (seed >> 32) & _MASK32)
-    byte = cols % 16
-    word_index, shift = (byte // 4)[None, None, None, :], (8 * (byte % 4)).astype(np.uint32)[None, None, None, :]
+    slot = ((cols >> 3) & 3) * 2 + (cols & 1)
+    word_index, shift = (slot // 2)[None, None, None, :], (16 * (slot % 2)).astype(np.uint32)[None, None, None, :]
     stacked = xp.stack(words)  # (4, b, h, sq, sk)
     chosen = xp.take_along_axis(stacked, xp.broadcast_to(word_index, stacked.shape[1:])[None], axis=0)[0]
-    value = (chosen >> xp.asarray(shift, dtype=xp.uint32)) & 0xFF
+    value = (chosen >> xp.asarray(shift, dtype=xp.uint32)) & 0xFFFF
     return value >= threshold

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from .dropout import dropout_threshold
+from .dropout import dropout_threshold, rescale
 from .validate import AttentionShape, TensorInfo, expect
 
 #: Window sides at or beyond this are unbounded (keeps the kernels' int arithmetic far from overflow).
@@ -35,6 +35,7 @@ class Features:
     dropout_p: float = 0.0  # requested drop probability (applied as dropout.effective_dropout)
     dropout_seed: int = 0
     dropout_offset: int = 0
+    dropout_rng_state: TensorInfo | None = None  # int64 (seed, offset) on the device, read instead
 
     @property
     def varlen(self) -> bool:
@@ -60,7 +61,7 @@ class Features:
     def kernel_args(self, causal: bool, softmax_scale: float) -> tuple:
         """(scale_log2, softmax_scale, cu_seqlens_q, cu_seqlens_k, window_left, window_right, softcap,
         alibi_slopes, alibi_batch_stride, dropout_seed, dropout_offset, dropout_threshold,
-        dropout_rescale) as the kernels take them."""
+        dropout_rescale, dropout_rng_state) as the kernels take them."""
         left = UNBOUNDED if self.window_left < 0 else min(self.window_left, UNBOUNDED)
         right = UNBOUNDED if self.window_right < 0 else min(self.window_right, UNBOUNDED)
         if causal:
@@ -75,7 +76,8 @@ class Features:
                 np.int32(left), np.int32(right), np.float32(self.softcap),
                 np.uint64(alibi_ptr), np.int64(alibi_batch_stride), np.int64(self.dropout_seed),
                 np.int64(self.dropout_offset & 0xFFFFFFFF), np.int32(threshold),
-                np.float32(256.0 / (256 - threshold)))
+                np.float32(rescale(self.dropout_p)),
+                np.uint64(self.dropout_rng_state.data_ptr if self.dropout_rng_state is not None else 0))
 
 
 PLAIN = Features()
@@ -109,6 +111,16 @@ def check_alibi(info: TensorInfo, batch: int, nheads: int, device: str) -> None:
     expect(info.strides[-1] == 1 or info.shape[-1] == 1,
             lambda: f"alibi_slopes: expected a contiguous last dim, got strides {info.strides}")
     expect(info.device == device, lambda: f"alibi_slopes: expected device {device} (same as q), got {info.device}")
+
+
+def check_rng_state(info: TensorInfo, device: str) -> None:
+    """A device (seed, offset) pair for dropout."""
+    expect(info.dtype == "int64", lambda: f"dropout_rng_state: expected dtype int64, got {info.dtype}", TypeError)
+    expect(info.shape == (2,) and info.strides == (1,),
+           lambda: f"dropout_rng_state: expected a contiguous array of shape (2,), got shape {info.shape} "
+                   f"strides {info.strides}")
+    expect(info.device == device,
+           lambda: f"dropout_rng_state: expected device {device} (same as q), got {info.device}")
 
 
 def check_packed_dims(name: str, info: TensorInfo) -> None:

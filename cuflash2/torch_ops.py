@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import api, backward, call_plans, varlen
+from .dropout import NO_DROPOUT, DropoutSpec
 from .validate import softmax_scale_or_default
 
 
@@ -38,7 +39,7 @@ def _use_custom_op(q: Tensor) -> bool:
 
 
 def _fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-              dropout_seed, deterministic):
+              dropout_seed, deterministic, dropout_rng_state):
     window = (window_left, window_right)
     result = call_plans.replay(api.forward_plan_key(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
                                                     dropout_p), (q, k, v))
@@ -47,26 +48,36 @@ def _fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     api.forward_into(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, window_size=window,
-                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
+                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                     **_dropout_source(dropout_p, dropout_seed, dropout_rng_state))
     return out, lse
+
+
+def _dropout_source(dropout_p, dropout_seed, dropout_rng_state) -> dict:
+    """The seed keywords of the ops' flat arguments: the device rng_state when there is one."""
+    if not dropout_p:
+        return {}
+    if dropout_rng_state is not None:
+        return {"dropout_rng_state": dropout_rng_state}
+    return {"dropout_seed": dropout_seed}
 
 
 @torch.library.custom_op("cuflash2::flash_attn_fwd", mutates_args=(), device_types="cuda")
 def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int,
                     window_right: int, softcap: float, alibi_slopes: Tensor | None, dropout_p: float,
-                    dropout_seed: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+                    dropout_seed: int, deterministic: bool, dropout_rng_state: Tensor | None) -> tuple[Tensor, Tensor]:
     return _fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                     dropout_seed, deterministic)
+                     dropout_seed, deterministic, dropout_rng_state)
 
 
 @_flash_attn_fwd.register_fake
 def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed,
-      deterministic):
+      deterministic, dropout_rng_state):
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-              dropout_p, dropout_seed, deterministic):
+              dropout_p, dropout_seed, deterministic, dropout_rng_state):
     dout = _kernel_ready(dout)  # here, not in the autograd formula: torch.compile traces that with fake tensors
     window = (window_left, window_right)
     result = call_plans.replay(backward.backward_plan_key(dout, q, k, v, out, lse, softmax_scale, causal, window,
@@ -78,7 +89,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, windo
     backward.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                  window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
                                  deterministic=deterministic, dq=dq, dk=dk, dv=dv, dropout_p=dropout_p,
-                                 dropout_seed=dropout_seed)
+                                 **_dropout_source(dropout_p, dropout_seed, dropout_rng_state))
     return dq, dk, dv
 
 
@@ -86,14 +97,14 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, windo
 def _flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
                     causal: bool, window_left: int, window_right: int, softcap: float,
                     alibi_slopes: Tensor | None, dropout_p: float, dropout_seed: int,
-                    deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    deterministic: bool, dropout_rng_state: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     return _bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                     dropout_p, dropout_seed, deterministic)
+                     dropout_p, dropout_seed, deterministic, dropout_rng_state)
 
 
 @_flash_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-      dropout_seed, deterministic):
+      dropout_seed, deterministic, dropout_rng_state):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -145,30 +156,42 @@ class _EagerAttention(torch.autograd.Function):
 
 
 def forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic, out=None,
-            dropout=(0.0, 0, 0)):
-    """(out, softmax_lse) through the custom op (torch.compile) or its eager twin; differentiable
-    with respect to q, k, v (not the ALiBi slopes, as in FA2)."""
+            dropout: DropoutSpec = NO_DROPOUT, seed_given: bool = True):
+    """(out, softmax_lse, dropout) through the custom op (torch.compile) or its eager twin;
+    differentiable with respect to q, k, v (not the ALiBi slopes, as in FA2). Without seed_given, a
+    dropout call draws its (seed, offset) from torch's generator; the returned spec carries them."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes: expected a torch tensor like q, got {type(alibi_slopes).__name__}")
+    dropout = _with_rng_state(dropout, seed_given, q.device)
     op = _flash_attn_fwd if _use_custom_op(q) else _EagerAttention.apply
     result, lse = op(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
-                     float(dropout[0]), int(dropout[1]), bool(deterministic))
+                     float(dropout.p), int(dropout.seed), bool(deterministic), dropout.rng_state)
     if out is not None:
         out.copy_(result)
         result = out
-    return result, lse
+    return result, lse, dropout
+
+
+def _with_rng_state(dropout: DropoutSpec, seed_given: bool, device) -> DropoutSpec:
+    """The spec with a device (seed, offset) drawn from torch's CUDA generator when the call gave
+    no seed: torch.manual_seed then reproduces the mask, activation checkpointing (which restores
+    the generator before recomputing) regenerates it, and CUDA-graph replays draw new ones."""
+    if dropout.p == 0 or seed_given:
+        return dropout
+    return dropout._replace(rng_state=torch.empty(2, dtype=torch.int64, device=device).random_())
 
 
 # ---- varlen ---------------------------------------------------------------------------------------
 
 def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
+                     window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic,
+                     dropout_rng_state):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out, lse = varlen.flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 softmax_scale, causal, (window_left, window_right), softcap,
                                                 alibi_slopes, out=out, dropout_p=dropout_p,
-                                                dropout_seed=dropout_seed)
+                                                **_dropout_source(dropout_p, dropout_seed, dropout_rng_state))
     return out, lse
 
 
@@ -176,9 +199,11 @@ def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _flash_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
                            window_right: int, softcap: float, alibi_slopes: Tensor | None, dropout_p: float,
-                           dropout_seed: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+                           dropout_seed: int, deterministic: bool,
+                           dropout_rng_state: Tensor | None) -> tuple[Tensor, Tensor]:
     return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                            window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic)
+                            window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic,
+                            dropout_rng_state)
 
 
 @_flash_attn_varlen_fwd.register_fake
@@ -187,13 +212,14 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options)
 
 
 def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                     causal, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
+                     causal, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic,
+                     dropout_rng_state):
     dout = _kernel_ready(dout)
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     varlen.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
                                       deterministic, dq=dq, dk=dk, dv=dv, dropout_p=dropout_p,
-                                      dropout_seed=dropout_seed)
+                                      **_dropout_source(dropout_p, dropout_seed, dropout_rng_state))
     return dq, dk, dv
 
 
@@ -202,10 +228,10 @@ def _flash_attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                            cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                            softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
                            alibi_slopes: Tensor | None, dropout_p: float, dropout_seed: int,
-                           deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                           deterministic: bool, dropout_rng_state: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     return _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                            dropout_seed, deterministic)
+                            dropout_seed, deterministic, dropout_rng_state)
 
 
 @_flash_attn_varlen_bwd.register_fake
@@ -249,17 +275,20 @@ class _EagerVarlenAttention(torch.autograd.Function):
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
-                   softcap, alibi_slopes, deterministic, out=None, dropout=(0.0, 0, 0)):
-    """(out, softmax_lse) of a varlen call through the custom op or its eager twin; differentiable w.r.t. q, k, v."""
+                   softcap, alibi_slopes, deterministic, out=None, dropout: DropoutSpec = NO_DROPOUT,
+                   seed_given: bool = True):
+    """(out, softmax_lse, dropout) of a varlen call through the custom op or its eager twin;
+    differentiable w.r.t. q, k, v. Dropout seeds as in forward."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes)):
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor like q, got {type(x).__name__}")
+    dropout = _with_rng_state(dropout, seed_given, q.device)
     op = _flash_attn_varlen_fwd if _use_custom_op(q) else _EagerVarlenAttention.apply
     result, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
-                     int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout[0]), int(dropout[1]),
-                     bool(deterministic))
+                     int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout.p), int(dropout.seed),
+                     bool(deterministic), dropout.rng_state)
     if out is not None:
         out.copy_(result)
         result = out
-    return result, lse
+    return result, lse, dropout

@@ -19,7 +19,9 @@ import numpy as np
 from . import interop, launch, reference
 from . import dropout as dropout_rng
 from .backward import gradient_outputs
-from .api import _check_grid, _fill, _probs, gpu_features, numpy_alibi, resolve_dropout
+from .api import (_check_grid, _fill, _probs, check_host_dropout, dropout_source, gpu_features, host_dropout,
+                  numpy_alibi, resolve_dropout)
+from .dropout import check_dropout
 from .features import (
     as_batched,
     check_cu_seqlens,
@@ -41,17 +43,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     softmax_lse fp32 (nheads, total_q); attn_probs fp32 (batch, nheads, max_seqlen_q, max_seqlen_k),
     zero outside each sequence (testing only).
     """
-    dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
+    framework = interop.framework_of(q)
+    if framework == "torch" and dropout_seed is None:  # torch_ops draws it from torch's CUDA generator
+        dropout = dropout_rng.DropoutSpec(check_dropout(dropout_p))
+    else:
+        dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
     window, softcap = check_window(window_size), check_softcap(softcap)
     max_seqlen_q, max_seqlen_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k",
                                                                                                   max_seqlen_k)
-    framework = interop.framework_of(q)
     if framework == "torch":
         from . import torch_ops
 
-        out, lse = torch_ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        out, lse, dropout = torch_ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             softmax_scale, causal, window, softcap, alibi_slopes, deterministic, out,
-                                            dropout)
+                                            dropout, seed_given=dropout_seed is not None)
     elif framework == "jax":  # differentiable, jit-able; cu_seqlens values are checked only outside jit
         from . import jax_ops
 
@@ -63,12 +68,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         out, lse = flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              softmax_scale, causal, window, softcap, alibi_slopes, out=out,
-                                             dropout_p=dropout[0], dropout_seed=dropout[1])
+                                             dropout_p=dropout.p, **dropout_source(dropout))
     if not return_attn_probs:
         return out
     return out, lse, varlen_attention_probs(q, k, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             softmax_scale, causal, window, softcap, alibi_slopes,
-                                            dropout_p=dropout[0], dropout_seed=dropout[1])
+                                            dropout_p=dropout.p, **dropout_source(dropout))
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -147,11 +152,11 @@ def _gpu_inputs(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                               causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, out=None, *,
-                              dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+                              dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_rng_state=None):
     """Varlen forward returning (out, softmax_lse (nheads, total_q)). Dropout as flash_attn_forward
     (sequence b of the batch draws its mask as batch entry b)."""
     window, softcap = check_window(window_size), check_softcap(softcap)
-    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     if interop.framework_of(q) == "numpy":
         return _forward_numpy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                               window, softcap, alibi_slopes, out, dropout)
@@ -210,16 +215,17 @@ def _numpy_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def _sequence_mask(dropout, b: int, nheads: int, seqlen_q: int, seqlen_k: int):
     """(keep mask (1, nheads, seqlen_q, seqlen_k), rescale) of varlen sequence b, or (None, 1.0)."""
-    if dropout[0] == 0:
+    if dropout.p == 0:
         return None, 1.0
-    keep = dropout_rng.keep_mask(np, dropout[1], dropout[2], 1, nheads, seqlen_q, seqlen_k, dropout[0],
+    keep = dropout_rng.keep_mask(np, dropout.seed, dropout.offset, 1, nheads, seqlen_q, seqlen_k, dropout.p,
                                  batch_index=[b])
-    return keep, 1.0 / (1.0 - dropout_rng.effective_dropout(dropout[0]))
+    return keep, dropout_rng.rescale(dropout.p)
 
 
 def _forward_numpy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
-                   softcap, alibi_slopes, out, dropout=(0.0, 0, 0)):
+                   softcap, alibi_slopes, out, dropout=dropout_rng.NO_DROPOUT):
     """CPU path: the tiled NumPy reference, one sequence at a time."""
+    check_host_dropout(dropout)
     problem, slopes = _numpy_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      alibi_slopes)
     result = np.zeros(q.shape, dtype=q.dtype)
@@ -228,7 +234,7 @@ def _forward_numpy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
             continue
         seq_slopes = None if slopes is None else slopes[b:b + 1]
-        if dropout[0] > 0:  # the dense reference with the kernels' mask
+        if dropout.p > 0:  # the dense reference with the kernels' mask
             keep, rescale = _sequence_mask(dropout, b, problem.shape.nheads, rows_q.stop - rows_q.start,
                                            rows_k.stop - rows_k.start)
             o, l_b = reference.attention_naive(q[None, rows_q], k[None, rows_k], v[None, rows_k],
@@ -253,11 +259,11 @@ def _forward_numpy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def varlen_attention_probs(q, k, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+                           dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_rng_state=None):
     """Attention probabilities of a varlen call as fp32 (batch, nheads, max_seqlen_q, max_seqlen_k),
     zero-padded (testing only); entries dropped by dropout are negated."""
     window, softcap = check_window(window_size), check_softcap(softcap)
-    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     if interop.framework_of(q) == "numpy":
         return _varlen_probs(np, q, k, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, window, softcap, alibi_slopes, dropout)
@@ -267,11 +273,11 @@ def varlen_attention_probs(q, k, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_se
                                                              ("cu_seqlens_k", cu_seqlens_k)))
         slopes = None if alibi_slopes is None else call.to_cupy("alibi_slopes", alibi_slopes)
         return call.result(_varlen_probs(interop.import_cupy(), *arrays, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
-                                         softmax_scale, causal, window, softcap, slopes, dropout))
+                                         softmax_scale, causal, window, softcap, slopes, host_dropout(call, dropout)))
 
 
 def _varlen_probs(xp, q, k, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, softcap,
-                  slopes, dropout=(0.0, 0, 0)):
+                  slopes, dropout=dropout_rng.NO_DROPOUT):
     batch, nheads = len(cu_q) - 1, q.shape[1]
     probs = xp.zeros((batch, nheads, max_seqlen_q, max_seqlen_k), dtype=xp.float32)
     if softmax_scale is None:
@@ -285,8 +291,9 @@ def _varlen_probs(xp, q, k, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax
             slopes_b = xp.broadcast_to(xp.asarray(slopes).reshape(-1, nheads), (batch, nheads))[b:b + 1]
         seq_probs = _probs(xp, q[None, rows_q], k[None, rows_k], lse[None, :, rows_q], softmax_scale, causal, window,
                            softcap, slopes_b)
-        if dropout[0] > 0:
-            keep = dropout_rng.keep_mask(xp, dropout[1], dropout[2], 1, nheads, sq, sk, dropout[0], batch_index=[b])
+        if dropout.p > 0:
+            keep = dropout_rng.keep_mask(xp, dropout.seed, dropout.offset, 1, nheads, sq, sk, dropout.p,
+                                         batch_index=[b])
             seq_probs = xp.where(keep, seq_probs, -seq_probs)
         probs[b, :, :sq, :sk] = seq_probs[0]
     return probs
@@ -297,10 +304,10 @@ def _varlen_probs(xp, q, k, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax
 def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, *, dropout_p=0.0,
-                               dropout_seed=None, dropout_offset=0):
+                               dropout_seed=None, dropout_offset=0, dropout_rng_state=None):
     """Gradients of flash_attn_varlen_func: (dq, dk, dv) shaped like the packed q, k, v."""
     window, softcap = check_window(window_size), check_softcap(softcap)
-    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
+    dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     max_seqlen_q, max_seqlen_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k",
                                                                                                   max_seqlen_k)
     if interop.framework_of(q) == "numpy":
@@ -342,7 +349,8 @@ def _check_lse(info: TensorInfo, nheads: int, total_q: int) -> None:
 
 
 def _backward_numpy(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, causal, window, softcap, alibi_slopes, dq, dk, dv, dropout=(0.0, 0, 0)):
+                    softmax_scale, causal, window, softcap, alibi_slopes, dq, dk, dv, dropout=dropout_rng.NO_DROPOUT):
+    check_host_dropout(dropout)
     problem, slopes = _numpy_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      alibi_slopes, (("dout", dout), ("out", out), ("softmax_lse", softmax_lse)))
     for name, x in (("dout", dout), ("out", out)):
@@ -356,7 +364,7 @@ def _backward_numpy(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
                 softmax_lse[None, :, rows_q])
         options = dict(softmax_scale=problem.shape.softmax_scale, causal=causal, window_size=window, softcap=softcap,
                        alibi_slopes=None if slopes is None else slopes[b:b + 1])
-        if dropout[0] > 0:
+        if dropout.p > 0:
             keep, rescale = _sequence_mask(dropout, b, problem.shape.nheads, rows_q.stop - rows_q.start,
                                            rows_k.stop - rows_k.start)
             g = reference.attention_backward_naive(*args, **options, dropout_mask=keep, dropout_rescale=rescale)

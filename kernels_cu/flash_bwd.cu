@@ -150,15 +150,17 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
         u32 kept = ~0u;
         if (dropping) {
             static_assert(Tr::kQTiles * 4 <= 32, "one bit per fragment entry");
-            const int key_group = (key0 + warp * 16) / 16;
+            // This lane's keys lane / 4 and lane / 4 + 8 of one query share a Philox block (a block
+            // holds keys 32 g + 8 t + 2 j + e, t = 0..3: philox.cuh), so one draw serves both.
+            const int key_lo = key0 + warp * 16 + lane / 4;
 #pragma unroll
             for (int nt = 0; nt < Tr::kQTiles; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const Philox4 rnd = drop.bytes16(m_block * kBlockM + nt * 8 + (lane % 4) * 2 + e, key_group, bh);
+                    const Philox4 rnd = drop.block(m_block * kBlockM + nt * 8 + (lane % 4) * 2 + e, key_lo, bh);
 #pragma unroll
                     for (int hi = 0; hi < 2; ++hi)
-                        if (!drop.keep(rnd, lane / 4 + 8 * hi)) kept &= ~(1u << (nt * 4 + 2 * hi + e));
+                        if (!drop.keep(rnd, Dropout::slot_of(key_lo + 8 * hi))) kept &= ~(1u << (nt * 4 + 2 * hi + e));
                 }
         }
         auto drop_p = [&]() {

@@ -93,13 +93,16 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
             gemm_abt<T, 1, Tr::kNTiles, kHeadDim / 16>(p, q_as_a, k_as_bt);    // S = Q K^T
             gemm_abt<T, 1, Tr::kNTiles, kHeadDim / 16>(ds, do_as_a, v_as_bt);  // dP = dO V^T
             const bool needs_mask = mask.block_needs_mask(m_block, n_block, kBlockM, kBlockN);
-            Philox4 rnd[2][Tr::kNTiles / 2];  // dropout bytes: per row, per 16 keys
+            // Dropout draws (philox.cuh): a lane's entries of one row in four consecutive 8-key
+            // tiles share a block; blocks of 16 keys (kNTiles 2) use half of one.
+            constexpr int kDraws = (Tr::kNTiles + 3) / 4;
+            Philox4 rnd[2][kDraws];
             if (kVariant && drop.active()) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
 #pragma unroll
-                    for (int g = 0; g < Tr::kNTiles / 2; ++g)
-                        rnd[r][g] = drop.bytes16(row0 + warp * 16 + lane / 4 + 8 * r, key0 / 16 + g, bh);
+                    for (int g = 0; g < kDraws; ++g)
+                        rnd[r][g] = drop.block(row0 + warp * 16 + lane / 4 + 8 * r, key0 + g * 32 + (lane % 4) * 2, bh);
             }
 #pragma unroll
             for (int nt = 0; nt < Tr::kNTiles; ++nt)
@@ -113,7 +116,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     if (needs_mask && !mask.visible(row, col)) pv = 0.f;
                     float dp = ds[0][nt][i];
                     if (kVariant && drop.active())  // dS = P * (Z dP / (1 - p) - D)
-                        dp = drop.keep(rnd[r][nt / 2], (nt % 2) * 8 + (lane % 4) * 2 + (i & 1)) ? dp * va.dropout_rescale : 0.f;
+                        dp = drop.keep(rnd[r][nt / 4], Tr::kNTiles % 4 == 0 ? 2 * (nt % 4) + (i & 1) : Dropout::slot_of(col))
+                                 ? dp * va.dropout_rescale : 0.f;
                     ds[0][nt][i] = pv * (dp - row_delta[r]);
                     if (kVariant) ds[0][nt][i] *= dtanh;
                 }

@@ -86,23 +86,25 @@ CF_DEVICE void apply_score_mod(float (&s)[Tr::kMTiles][Tr::kNTiles][4], const Sc
 
 // Dropout (variant kernels): zero the dropped entries of P = exp(S - max). The row sums already
 // hold every entry (the softmax is over all keys); the 1 / (1 - p) of the kept ones is folded into
-// the final normalisation.
+// the final normalisation. Key blocks start at multiples of 32 and span 4k column tiles, so a lane's
+// entries of one row in tiles 4g..4g+3 are one Philox block (philox.cuh), slot 2 (nt % 4) + e.
 template <class Tr>
 CF_DEVICE void apply_dropout(float (&p)[Tr::kMTiles][Tr::kNTiles][4], const Dropout& drop, int bh, int row0,
                              int col0, int lane) {
+    static_assert(Tr::kNTiles % 4 == 0, "dropout draws cover four 8-key tiles (key blocks of 32k keys)");
 #pragma unroll
     for (int mt = 0; mt < Tr::kMTiles; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + mt * 16 + lane / 4 + 8 * r;
 #pragma unroll
-            for (int g = 0; g < Tr::kNTiles / 2; ++g) {  // 16 keys per Philox call
-                const Philox4 rnd = drop.bytes16(row, col0 / 16 + g, bh);
+            for (int g = 0; g < Tr::kNTiles / 4; ++g) {
+                const Philox4 rnd = drop.block(row, col0 + g * 32 + (lane % 4) * 2, bh);
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
+                for (int t = 0; t < 4; ++t)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        if (!drop.keep(rnd, h * 8 + (lane % 4) * 2 + e)) p[mt][2 * g + h][2 * r + e] = 0.f;
+                        if (!drop.keep(rnd, 2 * t + e)) p[mt][4 * g + t][2 * r + e] = 0.f;
             }
         }
 }

@@ -24,22 +24,31 @@ CF_DEVICE Philox4 philox4x32_10(u32 c0, u32 c1, u32 c2, u32 c3, u32 k0, u32 k1) 
     return Philox4{{c0, c1, c2, c3}};
 }
 
-// Dropout mask of attention: entry (row, col) of head bh = batch * nheads + head is kept iff byte
-// col % 16 of philox(counter = (col / 16, row, bh, offset), key = seed) is >= drop_threshold (the
-// drop probability is drop_threshold / 256). One Philox call covers 16 consecutive keys of a row.
+// Dropout mask of attention. Entry (row, col) of head bh = batch * nheads + head draws a 16-bit
+// number and is kept iff it is >= drop_threshold (the drop probability is drop_threshold / 65536,
+// within 2^-17 of the requested one). One Philox call yields eight 16-bit numbers: those of the
+// keys col = 32 g + 8 t + 2 j + e (t = 0..3, e = 0..1) of one row, for fixed g = col / 32 and
+// j = (col / 2) % 4. That grouping is a function of (row, col) alone, so any kernel layout draws
+// the same mask; it matches the m16n8k16 accumulator, where one lane holds exactly those columns of
+// a row across four consecutive 8-column tiles, so a row-major fragment needs one call per eight
+// entries (and a transposed one, holding keys lane / 4 + 8 h, one per four).
 struct Dropout {
     u32 seed_lo, seed_hi, offset;
     u32 drop_threshold;  // 0: off
 
     CF_DEVICE bool active() const { return drop_threshold != 0; }
-    CF_DEVICE Philox4 bytes16(int row, int key_group, int bh) const {
-        return philox4x32_10((u32)key_group, (u32)row, (u32)bh, offset, seed_lo, seed_hi);
+    // The Philox block deciding entry (row, col).
+    CF_DEVICE Philox4 block(int row, int col, int bh) const {
+        const u32 group = ((u32)col >> 5) * 4u + (((u32)col >> 1) & 3u);
+        return philox4x32_10(group, (u32)row, (u32)bh, offset, seed_lo, seed_hi);
     }
-    // Byte i (0..15) of the block. The index depends on the lane, so the word is picked with
-    // selects: indexing r.x with it would put the block in local memory.
-    static CF_DEVICE u32 byte_of(const Philox4& r, int i) {
-        const u32 word = i < 8 ? (i < 4 ? r.x[0] : r.x[1]) : (i < 12 ? r.x[2] : r.x[3]);
-        return (word >> (8 * (i & 3))) & 0xffu;
+    // Which of the block's eight numbers belongs to column col: (col / 8) % 4 * 2 + col % 2.
+    static CF_DEVICE int slot_of(int col) { return ((col >> 3) & 3) * 2 + (col & 1); }
+    // Number `slot` (0..7) of the block. Callers pass slots known at compile time where they can:
+    // indexing r.x with a run-time value would put the block in local memory, so it is selected.
+    static CF_DEVICE u32 number(const Philox4& r, int slot) {
+        const u32 word = slot < 4 ? (slot < 2 ? r.x[0] : r.x[1]) : (slot < 6 ? r.x[2] : r.x[3]);
+        return (word >> (16 * (slot & 1))) & 0xffffu;
     }
-    CF_DEVICE bool keep(const Philox4& r, int i) const { return byte_of(r, i) >= drop_threshold; }
+    CF_DEVICE bool keep(const Philox4& r, int slot) const { return number(r, slot) >= drop_threshold; }
 };

@@ -20,23 +20,28 @@ struct VariantArgs {
     i64 alibi_batch_stride;
     i64 dropout_seed;
     i64 dropout_offset;        // low 32 bits used
-    int dropout_threshold;     // drop probability x 256; 0: off
+    int dropout_threshold;     // drop probability x 65536; 0: off
     float dropout_rescale;     // 1 / (1 - drop probability)
+    // When set, (seed, offset) are read from this device pair instead: a framework's generator
+    // wrote them on the stream, so CUDA-graph replays draw new masks without a host round trip.
+    const i64* dropout_rng_state;
 
     CF_DEVICE Dropout dropout() const {
-        return Dropout{(u32)dropout_seed, (u32)((unsigned long long)dropout_seed >> 32), (u32)dropout_offset,
-                       (u32)dropout_threshold};
+        i64 seed = dropout_seed, offset = dropout_offset;
+        if (dropout_threshold != 0 && dropout_rng_state != nullptr) seed = dropout_rng_state[0], offset = dropout_rng_state[1];
+        return Dropout{(u32)seed, (u32)((unsigned long long)seed >> 32), (u32)offset, (u32)dropout_threshold};
     }
 };
 
 #define CF_VARIANT_PARAMS                                                                            \
     const int *__restrict__ cu_seqlens_q, const int *__restrict__ cu_seqlens_k, int window_left,     \
         int window_right, float softcap, const float *__restrict__ alibi_slopes, i64 alibi_batch_stride, \
-        i64 dropout_seed, i64 dropout_offset, int dropout_threshold, float dropout_rescale
+        i64 dropout_seed, i64 dropout_offset, int dropout_threshold, float dropout_rescale,               \
+        const i64 *__restrict__ dropout_rng_state
 #define CF_VARIANT_ARGS                                                                                  \
     VariantArgs {                                                                                        \
         cu_seqlens_q, cu_seqlens_k, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, \
-            dropout_seed, dropout_offset, dropout_threshold, dropout_rescale                             \
+            dropout_seed, dropout_offset, dropout_threshold, dropout_rescale, dropout_rng_state          \
     }
 
 // Where batch entry `batch` lives. Fixed-length batches: the batch strides address it and the

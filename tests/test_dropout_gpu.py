@@ -35,7 +35,7 @@ def test_dropout_forward_and_backward(p, causal, window, softcap, head_dim, dtyp
     out, lse = cuflash2.flash_attn_forward(q, k, v, **options)
     grads = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, **options)
     keep = dropout.keep_mask(cp, seed, 0, 2, 4, 150, 211, p)
-    rescale = 1 / (1 - dropout.effective_dropout(p))
+    rescale = dropout.rescale(p)
     f32 = [as_float32(cp, x) for x in (q, k, v, dout)]
     kw = dict(causal=causal, window=window, softcap=softcap, keep=keep, rescale=rescale)
     ref = attention_features_ref(cp, *f32, **kw)
@@ -82,7 +82,7 @@ def test_keep_rate_and_marked_probabilities():
     dropped = float((probs < 0).mean())
     expected = dropout.effective_dropout(0.3)
     assert abs(dropped - expected) < 5 * math.sqrt(expected * (1 - expected) / probs.size)
-    rescale = 1 / (1 - expected)
+    rescale = dropout.rescale(0.3)
     manual = cp.einsum("bhqk,bkhd->bqhd", cp.where(probs > 0, probs, 0) * rescale, as_float32(cp, v))
     assert float(cp.abs(manual - as_float32(cp, out)).max()) < 2e-2
 

@@ -78,7 +78,7 @@ def test_computed_correctly_or_rejected_clearly(call):
     keep, rescale = None, 1.0
     if options.get("dropout_p", 0) > 0:
         keep = dropout.keep_mask(np, options["dropout_seed"], 0, batch, h, sq, sk, options["dropout_p"])
-        rescale = 1 / (1 - dropout.effective_dropout(options["dropout_p"]))
+        rescale = dropout.rescale(options["dropout_p"])
     ref, ref_lse = reference.attention_naive(q, k, v, softmax_scale=scale, causal=options["causal"],
                                              window_size=options.get("window_size", (-1, -1)),
                                              softcap=options.get("softcap", 0.0), alibi_slopes=slopes,

@@ -37,14 +37,16 @@ def test_autograd_matches_float32_reference(causal, heads_kv):
         assert (got.float() - want).abs().max().item() < 5e-2 * max(1.0, want.abs().max().item())
 
 
-@pytest.mark.parametrize("options", [(-1, -1, 0.0, False, 0.0), (16, -1, 5.0, True, 0.25)], ids=["plain", "variant"])
+@pytest.mark.parametrize("options", [(-1, -1, 0.0, False, 0.0, False), (16, -1, 5.0, True, 0.25, False),
+                                     (-1, -1, 0.0, False, 0.17, True)], ids=["plain", "variant", "rng-state"])
 def test_opcheck(options):
     from cuflash2 import torch_ops
 
-    left, right, softcap, alibi, dropout_p = options
+    left, right, softcap, alibi, dropout_p, rng_state = options
     q, k, v = (torch.randn(1, 70, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
     slopes = torch.tensor([0.25, 0.5], device="cuda") if alibi else None
-    args = (0.125, True, left, right, softcap, slopes, dropout_p, 1234, False)
+    rng = torch.tensor([12345, 6], dtype=torch.int64, device="cuda") if rng_state else None
+    args = (0.125, True, left, right, softcap, slopes, dropout_p, 1234, False, rng)
     torch.library.opcheck(torch_ops._flash_attn_fwd, (q, k, v, *args))
     out, lse = torch_ops._flash_attn_fwd(q, k, v, *args)
     dout = torch.randn_like(out)
@@ -57,7 +59,7 @@ def test_opcheck_varlen():
 
     q, k, v = (torch.randn(90, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 30, 90], dtype=torch.int32, device="cuda")
-    args = (cu, cu, 60, 60, 0.125, True, -1, -1, 0.0, None, 0.1, 99, False)
+    args = (cu, cu, 60, 60, 0.125, True, -1, -1, 0.0, None, 0.1, 99, False, None)
     torch.library.opcheck(torch_ops._flash_attn_varlen_fwd, (q, k, v, *args))
     out, lse = torch_ops._flash_attn_varlen_fwd(q, k, v, *args)
     dout = torch.randn_like(out)

@@ -41,7 +41,7 @@ def test_eager_call_takes_the_function_and_differentiates(recorded):
     assert torch.equal(out, 2 * q.detach())
     assert out.grad_fn is not None and "EagerAttention" in type(out.grad_fn).__name__
     (options,) = recorded["fwd"]
-    assert options == (pytest.approx(8 ** -0.5), True, 4, -1, 3.0, None, 0.0, 0, False)
+    assert options == (pytest.approx(8 ** -0.5), True, 4, -1, 3.0, None, 0.0, 0, False, None)
     grad = torch.randn_like(out)
     out.backward(grad)
     (dout, bwd_options), = recorded["bwd"]
@@ -52,7 +52,7 @@ def test_eager_call_takes_the_function_and_differentiates(recorded):
 
 def test_softmax_lse_is_not_differentiable(recorded):
     q, k, v = _inputs()
-    out, lse = torch_ops.forward(q, k, v, None, False, (-1, -1), 0.0, None, False)
+    out, lse, _ = torch_ops.forward(q, k, v, None, False, (-1, -1), 0.0, None, False)
     assert out.requires_grad and not lse.requires_grad
 
 
@@ -125,7 +125,7 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_read(make, copied):
 def test_meta_tensors_take_the_custom_ops_fake_implementation():
     """Tracing without torch.compile (make_fx, meta tensors) reaches the ops' fake kernels."""
     q, k, v = (torch.empty(2, 16, 4, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
-    out, lse = torch_ops.forward(q, k, v, None, True, (-1, -1), 0.0, None, False)
+    out, lse, _ = torch_ops.forward(q, k, v, None, True, (-1, -1), 0.0, None, False)
     assert out.is_meta and out.shape == q.shape and out.dtype == q.dtype
     assert lse.is_meta and lse.shape == (2, 4, 16) and lse.dtype == torch.float32
 
