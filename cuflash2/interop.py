@@ -165,6 +165,28 @@ def _torch_stream(cp, device_id: int):
     return external_stream(cp, torch.cuda.current_stream(device_id).cuda_stream, device_id)
 
 
+_torch_allocators: dict[int, object] = {}
+
+
+def _torch_allocator(cp, device_id: int):
+    """A CuPy allocator whose memory is a torch tensor: everything a torch call allocates (scratch,
+    temporaries) is then counted by torch.cuda.memory_allocated, reused through torch's cache on
+    torch's current stream (the one the call runs on), and legal under torch.cuda.graph capture."""
+    allocate = _torch_allocators.get(device_id)
+    if allocate is None:
+        import torch
+
+        device = torch.device("cuda", device_id)
+
+        def allocate(nbytes: int):
+            block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            memory = cp.cuda.UnownedMemory(block.data_ptr(), nbytes, owner=block, device_id=device_id)
+            return cp.cuda.MemoryPointer(memory, 0)
+
+        _torch_allocators[device_id] = allocate
+    return allocate
+
+
 def external_stream(cp, handle: int, device_id: int):
     """A (cached) CuPy wrapper of a stream owned by another framework."""
     stream = _external_streams.get((handle, device_id))
@@ -192,9 +214,14 @@ def gpu_call(first_input):
         _check_cuda("q", first_input)
         device_id = _dlpack_device_id(first_input)
     with cp.cuda.Device(device_id):
-        stream = _torch_stream(cp, device_id) if framework == "torch" else cp.cuda.get_current_stream()
-        with stream:
-            yield GpuCall(framework, device_id, stream)
+        if framework == "torch":  # scratch and CuPy temporaries come from torch's caching allocator too
+            stream = _torch_stream(cp, device_id)
+            with stream, cp.cuda.using_allocator(_torch_allocator(cp, device_id)):
+                yield GpuCall(framework, device_id, stream)
+        else:
+            stream = cp.cuda.get_current_stream()
+            with stream:
+                yield GpuCall(framework, device_id, stream)
 
 
 def as_float32(xp, x):

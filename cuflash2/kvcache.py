@@ -10,9 +10,9 @@ Semantics (FA2's): k_cache/v_cache are (batch_cache, seqlen_cache, nheads_kv, he
 block_table (num_pages, page_size, nheads_kv, headdim) pages listed per sequence in block_table
 (batch, max_pages) int32; any page size works. cache_seqlens (int or int32 (batch,)) are the cache
 lengths before appending; sequence b attends to cache rows [cache_leftpad[b], cache_seqlens[b] +
-seqlen_new). Masks are bottom-right aligned on those keys. Rotary positions count from
-cache_leftpad: new key i sits at cache_seqlens[b] - leftpad + i; q rows at the same positions when
-causal or windowed, all at cache_seqlens[b] - leftpad otherwise.
+seqlen_new). Masks are bottom-right aligned on those keys. Rotary positions are absolute cache rows,
+as in flash-attn, whatever cache_leftpad says: new key i sits at cache_seqlens[b] + i; q rows at the
+same positions when causal or windowed, all at cache_seqlens[b] otherwise.
 """
 
 from __future__ import annotations
@@ -409,8 +409,7 @@ def _rotary_copy(config, src: TensorInfo, dst: TensorInfo, cache: _Cache, sym: d
     cos, sin = (sym["rotary_cos"], sym["rotary_sin"]) if rotate else (None, None)
     return [_Launch.of(config, (math.ceil(work / _THREADS), cache.batch),
                        (_ptr(src), *_strides3(src), _ptr(dst), *_strides3(dst), np.int32(rows), np.int32(src.shape[2]),
-                        np.int32(cache.head_dim), _ptr(sym["cache_seqlens"]), _ptr(sym["cache_leftpad"]),
-                        _ptr(sym["cache_batch_idx"]), _ptr(table), np.int64(table.strides[0] if table else 0),
+                        np.int32(cache.head_dim), _ptr(sym["cache_seqlens"]), _ptr(sym["cache_batch_idx"]), _ptr(table), np.int64(table.strides[0] if table else 0),
                         np.int32(max(cache.page_size, 1)), np.int32(dst_rows), np.int32(dst_entries),
                         np.int32(1 if to_cache else 0), _ptr(cos), _ptr(sin), np.int32(cos.shape[0] if cos else 0),
                         np.int32(cache.rotary_dim), np.int32(1 if interleaved else 0),
@@ -527,7 +526,7 @@ def _kvcache_numpy(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
             new_rows = np.arange(start, start + cache.seqlen_new)
             kn = np.asarray(k[b], np.float32)
             if cos is not None:
-                kn = _rotate(kn, cos, sin, new_rows - pad, interleaved)
+                kn = _rotate(kn, cos, sin, new_rows, interleaved)  # absolute rows, left pad included
             entries, rows = rows_of(b, new_rows)
             k_cache[entries, rows] = kn.astype(k_cache.dtype)
             v_cache[entries, rows] = v[b]
@@ -537,7 +536,7 @@ def _kvcache_numpy(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
         qb = np.asarray(q[b], np.float32)
         if cos is not None:
             per_row = causal or window != (-1, -1)
-            positions = start - pad + (np.arange(cache.seqlen_q) if per_row else np.zeros(cache.seqlen_q, np.int64))
+            positions = start + (np.arange(cache.seqlen_q) if per_row else np.zeros(cache.seqlen_q, np.int64))
             qb = _rotate(qb, cos, sin, positions, interleaved).astype(q.dtype).astype(np.float32)
         if kb.shape[1] == 0:
             continue

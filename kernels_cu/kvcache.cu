@@ -6,8 +6,8 @@
 
 // dst[row(b, i), h, c] = rotary(src[b, i, h, :], position(b, i))[c], one thread per element.
 // Rows go to the end of the cache (cache_seqlens[b] + i, through the page table when paged) or to
-// row i of a plain destination. Positions are cache_seqlens[b] - leftpad[b] (+ i when
-// positions_per_row). Rotary pairs are (2j, 2j+1) when interleaved, else (j, j + rotary_dim / 2);
+// row i of a plain destination. Rotary positions are absolute cache rows, cache_seqlens[b] (+ i when
+// positions_per_row), whatever the left padding (flash-attn's convention). Rotary pairs are (2j, 2j+1) when interleaved, else (j, j + rotary_dim / 2);
 // cos/sin are fp32 (rotary_rows, rotary_dim / 2); columns past rotary_dim are copied.
 // Memory safety without reading device values on the host: rows past dst_rows, page or batch
 // indices outside [0, dst_entries) are not written, and positions are clamped to the cos/sin table.
@@ -16,7 +16,7 @@ __global__ void __launch_bounds__(256)
 rotary_copy_kernel(const u16* __restrict__ src, i64 src_batch_stride, i64 src_row_stride, i64 src_head_stride,
                    u16* __restrict__ dst, i64 dst_batch_stride, i64 dst_row_stride, i64 dst_head_stride,
                    int seqlen, int nheads, int head_dim, const int* __restrict__ cache_seqlens,
-                   const int* __restrict__ cache_leftpad, const int* __restrict__ dst_batch_idx,
+                   const int* __restrict__ dst_batch_idx,
                    const int* __restrict__ block_table, i64 block_table_stride, int page_size, int dst_rows,
                    int dst_entries, int dst_at_cache_end, const float* __restrict__ cos, const float* __restrict__ sin,
                    int rotary_rows, int rotary_dim, int interleaved, int positions_per_row) {
@@ -39,8 +39,7 @@ rotary_copy_kernel(const u16* __restrict__ src, i64 src_batch_stride, i64 src_ro
         } else {
             first = c < half, j = first ? c : c - half, partner = first ? c + half : c - half;
         }
-        const int leftpad = cache_leftpad != nullptr ? cache_leftpad[batch] : 0;
-        i64 pos = (i64)cached - leftpad + (positions_per_row ? i : 0);
+        i64 pos = (i64)cached + (positions_per_row ? i : 0);
         pos = pos < 0 ? 0 : (pos >= rotary_rows ? rotary_rows - 1 : pos);
         const float cs = cos[pos * half + j], sn = sin[pos * half + j];
         const float other = T::to_float(x[partner]);

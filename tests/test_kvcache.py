@@ -118,6 +118,29 @@ def test_rotary_on_new_keys_and_queries(interleaved, causal):
         np.testing.assert_allclose(out[b].astype(np.float64), ref[0], atol=3e-3)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_rotary_positions_are_absolute_cache_rows_under_leftpad(causal):
+    """flash-attn's convention: with cache_leftpad, new key i of sequence b still sits at rotary
+    position cache_seqlens[b] + i (its cache row), not counted from the left pad."""
+    rng = _rng(13)
+    q, k_cache, v_cache, k, v = _data(rng, b=2, sq=3, new=3, d=32)
+    theta = rng.uniform(0, 2 * np.pi, (64, 8))
+    cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+    seqlens, leftpad = np.array([6, 10], np.int32), np.array([4, 7], np.int32)
+    kc, vc = k_cache.copy(), v_cache.copy()
+    out = cuflash2.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                                           cache_leftpad=leftpad, causal=causal)
+    for b, n in enumerate(seqlens):
+        rows = np.arange(n, n + 3)
+        np.testing.assert_allclose(kc[b, rows].astype(np.float64), _rotate_complex(k[b], cos, sin, rows, True),
+                                   atol=4e-3)
+        positions = rows if causal else np.full(3, n)
+        q_rot = _rotate_complex(q[b], cos, sin, positions, True).astype(q.dtype)
+        keys, values = kc[b:b + 1, leftpad[b]:n + 3], vc[b:b + 1, leftpad[b]:n + 3]
+        ref, _ = reference.attention_naive(q_rot[None], keys, values, causal=causal)
+        np.testing.assert_allclose(out[b].astype(np.float64), ref[0], atol=3e-3)
+
+
 def test_leftpad_and_batch_idx():
     rng = _rng(4)
     q, k_cache, v_cache, _, _ = _data(rng, b=2, cache_len=16)

@@ -24,6 +24,7 @@ CASES = {
     "chunk-causal-rotary-neox": (2, 5, 4, 4, 90, 5, {"causal": True, "rotary": (64, False)}),
     "prefill-noappend": (2, 40, 4, 2, 128, 0, {"causal": True}),
     "leftpad-batchidx": (2, 3, 4, 2, 64, 2, {"leftpad": True, "batch_idx": True, "causal": True}),
+    "leftpad-rotary": (2, 3, 4, 2, 64, 3, {"leftpad": True, "rotary": (32, False), "causal": True}),
     "window-softcap-alibi": (2, 4, 4, 2, 200, 2, {"causal": True, "window": (50, -1), "softcap": 5.0,
                                                    "alibi": True}),
     "paged-1": (2, 1, 8, 2, 96, 1, {"page": 1}),
