@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import numpy as np
 
@@ -41,6 +42,10 @@ _THREADS = 256
 _MAX_SPLITS = 128  # the combine kernel's kMaxCombineSplits
 #: False sends every call through the full path (A/B timing of the decoding-step fast path).
 FAST_STEPS = True
+#: Checked mode: device cache_seqlens are read back and checked against the cache's capacity before
+#: the launches (one synchronisation per call, so off by default; CUFLASH2_CHECK_KVCACHE=1 turns it
+#: on). Lengths given as ints or NumPy arrays are always checked: that costs nothing.
+CHECK_CACHE_BOUNDS = os.environ.get("CUFLASH2_CHECK_KVCACHE", "0") not in ("", "0")
 
 
 def num_splits_heuristic(blocks: int, slots: int, key_blocks: int, max_splits: int = _MAX_SPLITS) -> int:
@@ -102,6 +107,29 @@ def _check_index_array(name: str, info: TensorInfo | None, shape: tuple, device:
     expect(info.device == device, lambda: f"{name}: expected device {device} (same as q), got {info.device}")
     expect(not info.shape or info.strides[-1] == 1 or info.shape[-1] == 1,
             lambda: f"{name}: expected a contiguous last dim, got strides {info.strides}")
+
+
+def check_cache_rows(cache_seqlens, seqlen_new: int, cache_rows: int, paged: bool) -> None:
+    """Every sequence's rows after the append fit the cache: 0 <= cache_seqlens[b] and
+    cache_seqlens[b] + seqlen_new <= cache_rows (host values; pure). The kernels would otherwise skip
+    the rows past the end, silently."""
+    lengths = np.asarray(cache_seqlens, np.int64).reshape(-1)
+    expect(bool((lengths >= 0).all()), lambda: f"cache_seqlens: expected values >= 0, got {lengths.min()}")
+    ends = lengths + seqlen_new
+    over = np.flatnonzero(ends > cache_rows)
+    if over.size:
+        b = int(over[0])
+        where = ("block_table: expected cache_seqlens[b] + new keys <= block_table.shape[1] * page_size = "
+                 if paged else "k_cache: expected cache_seqlens[b] + new keys <= seqlen_cache = ")
+        raise ValueError(f"{where}{cache_rows} for every sequence, got {ends[b]} for sequence {b} "
+                         f"({lengths[b]} cached + {seqlen_new} new)")
+
+
+def _host_lengths(cache_seqlens):
+    """cache_seqlens as host values when they are already on the host (int, NumPy), else None."""
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        return int(cache_seqlens)
+    return cache_seqlens if isinstance(cache_seqlens, np.ndarray) else None
 
 
 def validate_kvcache(q: TensorInfo, k_cache: TensorInfo, v_cache: TensorInfo, k: TensorInfo | None,
@@ -175,15 +203,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse (batch, nheads, seqlen_q))
     with return_softmax_lse. num_splits: 0 picks a split of the keys that fills the GPU; 1 disables
-    split-KV. No autograd (inference). Like FA2, out-of-range values in the device arrays
-    (cache_seqlens, cache_batch_idx, block_table, ...) are not checked on the host; the kernels
-    clamp or skip them, so they never read or write outside the given buffers.
+    split-KV. No autograd (inference). cache_seqlens given as an int (or NumPy values) are checked
+    against the cache: cache_seqlens + new keys beyond it (block_table.shape[1] * page_size when
+    paged) is a ValueError. Device arrays are checked so only in checked mode (CHECK_CACHE_BOUNDS,
+    env CUFLASH2_CHECK_KVCACHE=1), which reads them back (a synchronisation per call); otherwise,
+    like FA2, out-of-range device values (cache_seqlens, cache_batch_idx, block_table, ...) are not
+    read on the host, and the kernels clamp or skip them, so they never read or write outside the
+    given buffers.
     """
     arrays = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
               rotary_cos, rotary_sin)  # kvcache_step.INPUT_BUFFERS
+    host_lengths = _host_lengths(cache_seqlens)
+    checked = cache_seqlens is not None and (host_lengths is not None or CHECK_CACHE_BOUNDS)
     step_key = kvcache_step.call_key(q, arrays, (softmax_scale, causal, window_size, softcap, rotary_interleaved,
                                                  num_splits, return_softmax_lse)) \
-        if FAST_STEPS and launch.PACKED_LAUNCH else None
+        if FAST_STEPS and launch.PACKED_LAUNCH and not checked else None
     step = kvcache_step.lookup(step_key)
     if step is not None:  # a decoding step of a signature seen before
         result = step(arrays)
@@ -199,10 +233,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if interop.framework_of(q) == "jax":
         raise NotImplementedError("q: flash_attn_with_kvcache updates the cache in place; JAX arrays are immutable")
     with interop.gpu_call(q) as call:
+        if checked:
+            lengths = host_lengths if host_lengths is not None else call.to_cupy("cache_seqlens", cache_seqlens).get()
+            fast_step = (None, ())
+        else:
+            lengths, fast_step = None, (step_key, arrays)
         return _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                             cache_leftpad, block_table, softmax_scale, bool(causal), window, softcap,
                             bool(rotary_interleaved), alibi_slopes, int(num_splits), return_softmax_lse,
-                            (step_key, arrays))
+                            fast_step, lengths)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
@@ -270,7 +309,7 @@ def clear_plans() -> None:
 
 def _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                  cache_leftpad, block_table, softmax_scale, causal, window, softcap, interleaved, alibi_slopes,
-                 num_splits, return_softmax_lse, fast_step=(None, ())):
+                 num_splits, return_softmax_lse, fast_step=(None, ()), host_lengths=None):
     cp = interop.import_cupy()
     infos, keep = _describe_inputs(call, cp, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                    cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
@@ -287,6 +326,8 @@ def _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     for name in ("q", "k_cache", "v_cache"):  # addresses change per call; shapes and strides were checked
         check_alignment(name, infos[name])
     cache = plan.cache
+    if host_lengths is not None:
+        check_cache_rows(host_lengths, cache.seqlen_new, cache.cache_rows, cache.page_size > 0)
     out, out_i = call.empty(infos["q"].shape, cache.shape.dtype, like=q)
     lse, lse_i = call.empty((cache.batch, cache.nheads, cache.seqlen_q), "float32")
     pointers = {name: info.data_ptr for name, info in infos.items() if info is not None}
@@ -504,6 +545,8 @@ def _kvcache_numpy(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
         ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
         ("cache_leftpad", cache_leftpad), ("block_table", block_table))), softmax_scale, check_pointers=False)
     shape = cache.shape
+    if cache_seqlens is not None:
+        check_cache_rows(cache_seqlens, cache.seqlen_new, cache.cache_rows, block_table is not None)
     slopes = numpy_alibi(alibi_slopes, shape)
     seqlens = (np.asarray(cache_seqlens, np.int64) if cache_seqlens is not None
                else np.full((batch,), cache.cache_rows, np.int64))

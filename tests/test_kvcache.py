@@ -243,3 +243,27 @@ def test_split_kv_fills_one_decoding_block_per_sm():
     sms = 132
     assert num_splits_heuristic(16 * 8, split_slots_per_sm(decode) * sms, 64) == 1
     assert num_splits_heuristic(8, split_slots_per_sm(decode) * sms, 512) == 16
+
+
+@pytest.mark.parametrize("page", [None, 4])
+def test_cache_overflowing_its_rows_is_an_error_naming_the_cache(page):
+    """cache_seqlens + new keys past the cache's rows (the block table's pages when paged) is never
+    silently clamped."""
+    rng = _rng(21)
+    q, k_cache, v_cache, k, v = _data(rng, b=2, sq=2, new=2, d=32)  # cache of 16 rows
+    kwargs = {}
+    if page:  # 3 pages of 4 rows a sequence: 12 rows
+        k_cache, v_cache = (x.reshape(-1, page, *x.shape[2:]) for x in (k_cache, v_cache))
+        kwargs["block_table"] = np.arange(6, dtype=np.int32).reshape(2, 3)
+    rows = 12 if page else k_cache.shape[1]
+    name = "block_table" if page else "k_cache"
+    ok = np.array([rows - 2, 0], np.int32)
+    cuflash2.flash_attn_with_kvcache(q, k_cache.copy(), v_cache.copy(), k, v, cache_seqlens=ok, **kwargs)
+    with pytest.raises(ValueError, match=f"{name}: expected cache_seqlens.* <= .*{rows} .*got {rows + 1} for sequence 0"):
+        cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.array([rows - 1, 0], np.int32),
+                                         **kwargs)
+    with pytest.raises(ValueError, match=f"{name}: expected"):
+        cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=rows, **kwargs)
+    with pytest.raises(ValueError, match="cache_seqlens: expected values >= 0"):
+        cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.array([-1, 0], np.int32),
+                                         **kwargs)

@@ -353,3 +353,35 @@ def test_fast_path_refuses_converted_inputs():
                                                   cache_seqlens=seqlens)
     for r in results:
         np.testing.assert_array_equal(cp.asnumpy(r.view(cp.uint16)), cp.asnumpy(contiguous.view(cp.uint16)))
+
+
+@pytest.mark.parametrize("page", [None, 16])
+def test_cache_overflow_is_an_error_in_checked_mode(monkeypatch, page):
+    """Device cache_seqlens are checked against the cache (block_table's pages when paged) only in
+    checked mode (one read-back per call); ints always. In range, both modes give the same output."""
+    import cupy as cp
+
+    from cuflash2 import kvcache
+
+    rng = np.random.default_rng(3)
+    q = cp.asarray(rng.standard_normal((2, 1, 4, 64)).astype(np.float16))
+    k_new, v_new = (cp.asarray(rng.standard_normal((2, 1, 2, 64)).astype(np.float16)) for _ in range(2))
+    k_cache, v_cache = (cp.asarray(rng.standard_normal((2, 64, 2, 64)).astype(np.float16)) for _ in range(2))
+    kwargs, rows = {}, 64
+    if page:
+        k_cache, v_cache = (x.reshape(-1, page, 2, 64) for x in (k_cache, v_cache))
+        kwargs["block_table"] = cp.arange(6, dtype=cp.int32).reshape(2, 3)  # 3 pages: 48 rows a sequence
+        rows = 48
+    name = "block_table" if page else "k_cache"
+    over = cp.asarray(np.array([rows, 3], np.int32))
+    fine = cp.asarray(np.array([rows - 1, 3], np.int32))
+    unchecked = cuflash2.flash_attn_with_kvcache(q, k_cache.copy(), v_cache.copy(), k_new, v_new, cache_seqlens=fine,
+                                                 **kwargs)
+    with pytest.raises(ValueError, match=f"{name}: expected cache_seqlens"):
+        cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=rows, **kwargs)
+    monkeypatch.setattr(kvcache, "CHECK_CACHE_BOUNDS", True)
+    with pytest.raises(ValueError, match=f"{name}: expected cache_seqlens.*got {rows + 1} for sequence 0"):
+        cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=over, **kwargs)
+    checked = cuflash2.flash_attn_with_kvcache(q, k_cache.copy(), v_cache.copy(), k_new, v_new, cache_seqlens=fine,
+                                               **kwargs)
+    assert cp.array_equal(checked, unchecked)
