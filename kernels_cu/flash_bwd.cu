@@ -158,9 +158,11 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const Philox4 rnd = drop.block(m_block * kBlockM + nt * 8 + (lane % 4) * 2 + e, key_lo, bh);
+                    bool keep[2];
+                    drop.keep_pair(rnd, key_lo, keep);
 #pragma unroll
                     for (int hi = 0; hi < 2; ++hi)
-                        if (!drop.keep(rnd, Dropout::slot_of(key_lo + 8 * hi))) kept &= ~(1u << (nt * 4 + 2 * hi + e));
+                        if (!keep[hi]) kept &= ~(1u << (nt * 4 + 2 * hi + e));
                 }
         }
         auto drop_p = [&]() {

@@ -51,4 +51,13 @@ struct Dropout {
         return (word >> (16 * (slot & 1))) & 0xffffu;
     }
     CF_DEVICE bool keep(const Philox4& r, int slot) const { return number(r, slot) >= drop_threshold; }
+    // Keys col and col + 8 with col % 16 < 8 (the two rows a lane holds in a transposed fragment)
+    // are numbers 2 w + col % 2 and 2 (w + 1) + col % 2 of one block, w = 2 ((col / 16) % 2): one
+    // select per key, where number() with a run-time slot would need three.
+    CF_DEVICE void keep_pair(const Philox4& r, int col, bool (&kept)[2]) const {
+        const bool upper = (col >> 4) & 1;
+        const int shift = 16 * (col & 1);
+        kept[0] = (((upper ? r.x[2] : r.x[0]) >> shift) & 0xffffu) >= drop_threshold;
+        kept[1] = (((upper ? r.x[3] : r.x[1]) >> shift) & 0xffffu) >= drop_threshold;
+    }
 };
