@@ -211,6 +211,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     read on the host, and the kernels clamp or skip them, so they never read or write outside the
     given buffers.
     """
+    if interop.framework_of(q) == "torch":
+        from . import torch_ops
+
+        if torch_ops.traced(q):  # torch.compile: the custom op that mutates the caches
+            return torch_ops.kvcache_traced(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                            window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                                            return_softmax_lse)
     arrays = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
               rotary_cos, rotary_sin)  # kvcache_step.INPUT_BUFFERS
     host_lengths = _host_lengths(cache_seqlens)

@@ -292,3 +292,57 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         out.copy_(result)
         result = out
     return result, lse, dropout
+
+
+# ---- KV cache (inference: no autograd) --------------------------------------------------------------
+
+def _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_value,
+                  cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
+                  softcap, rotary_interleaved, alibi_slopes, num_splits):
+    from . import kvcache
+
+    lengths = cache_seqlens if cache_seqlens is not None else (None if cache_seqlens_value < 0 else
+                                                                cache_seqlens_value)
+    return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_batch_idx,
+                                           cache_leftpad, block_table, softmax_scale, causal,
+                                           (window_left, window_right), softcap, rotary_interleaved, alibi_slopes,
+                                           num_splits, return_softmax_lse=True)
+
+
+@torch.library.custom_op("cuflash2::flash_attn_with_kvcache", mutates_args=("k_cache", "v_cache"),
+                         device_types="cuda")
+def _flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
+                             rotary_cos: Tensor | None, rotary_sin: Tensor | None, cache_seqlens: Tensor | None,
+                             cache_seqlens_value: int, cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None,
+                             block_table: Tensor | None, softmax_scale: float | None, causal: bool, window_left: int,
+                             window_right: int, softcap: float, rotary_interleaved: bool,
+                             alibi_slopes: Tensor | None, num_splits: int) -> tuple[Tensor, Tensor]:
+    return _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_value,
+                         cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
+                         softcap, rotary_interleaved, alibi_slopes, num_splits)
+
+
+@_flash_attn_with_kvcache.register_fake
+def _(q, k_cache, v_cache, *options):
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+def kvcache_traced(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table, softmax_scale, causal, window, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                   return_softmax_lse):
+    """flash_attn_with_kvcache as a custom op that mutates the caches, for torch.compile and fake
+    tensors (eager calls keep the direct path and its decoding-step fast path)."""
+    value = -1
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        value, cache_seqlens = int(cache_seqlens), None
+    out, lse = _flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, value,
+                                        cache_batch_idx, cache_leftpad, block_table,
+                                        None if softmax_scale is None else float(softmax_scale), bool(causal),
+                                        int(window[0]), int(window[1]), float(softcap), bool(rotary_interleaved),
+                                        alibi_slopes, int(num_splits))
+    return (out, lse) if return_softmax_lse else out
+
+
+def traced(q) -> bool:
+    """Whether a call on q must go through the custom ops (torch.compile tracing, fake or meta tensors)."""
+    return _use_custom_op(q)
