@@ -197,7 +197,9 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
     const ScoreMod mod = ScoreMod::make(va, softmax_scale, batch, head, seq.seqlen_k - seq.seqlen_q);
     // seqlen_k is 0 when the cache index is out of range, so kv_batch is then never dereferenced.
     const int kv_batch = kKvCache && kc.cache_batch_idx != nullptr ? kc.cache_batch_idx[batch] : batch;
-    const Dropout drop = va.dropout();
+    // (The dropout seed is fetched where it is used: held from here it costs the registers that
+    // the head-dim-256 tile does not have.)
+    const bool dropping = kVariant && !kKvCache && va.dropout_threshold != 0;
     const bool paged = kKvCache && kc.block_table != nullptr;
 
     const u16* q_blk = q + batch * q_batch_stride + head * q_head_stride +
@@ -297,7 +299,7 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
             if (Tr::kSumsInSmem) softmax.template load_sums<Tr::kThreads>(row_sums);
             softmax.update(s, acc_o, scale_log2);
             if (Tr::kSumsInSmem) softmax.template store_sums<Tr::kThreads>(row_sums);
-            if (kVariant && !kKvCache && drop.active()) apply_dropout<Tr>(s, drop, batch * FwdGrid<kCausal, kKvCache>::heads(nheads) + head, row0, col0, lane);
+            if (dropping) apply_dropout<Tr>(s, va.dropout(), batch * FwdGrid<kCausal, kKvCache>::heads(nheads) + head, row0, col0, lane);
             const int lane_v = Tr::kRebuildAddresses ? opaque_int(lane) : lane;
             const LdsmCursor<typename Tr::KVTile> v_cur(kv_smem + ((t + 1) % kStages) * Tr::KVTile::kBytes,
                                                        lane_v % 16, lane_v / 16);
@@ -336,7 +338,7 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
         float inv_sum[Tr::kMTiles][2], row_lse[Tr::kMTiles][2];
         if (Tr::kSumsInSmem) softmax.template load_sums<Tr::kThreads>(row_sums_of<Tr>(smem, tid_out));
         softmax.finalize(inv_sum, row_lse, scale_log2);
-        if (kVariant && !kKvCache && drop.active()) {
+        if (dropping) {
 #pragma unroll
             for (int mt = 0; mt < Tr::kMTiles; ++mt) inv_sum[mt][0] *= va.dropout_rescale, inv_sum[mt][1] *= va.dropout_rescale;
         }
