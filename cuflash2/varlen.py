@@ -17,7 +17,7 @@ not rows of k); every count must fit its row of block_table (checked on the host
 cu_seqlens checks). Causal masks are bottom-right aligned per sequence, so a chunk of new queries
 sees the whole cached prefix and itself. Window, softcap and ALiBi work as without paging; dropout
 is rejected, and torch inputs that require grad are refused up front (there is no backward, as in
-FA2). Page ids outside [0, num_blocks) read as zero keys on the GPU (not checked on the host, so no
+FA2; with JAX, differentiating raises). Page ids outside [0, num_blocks) read as zero keys on the GPU (not checked on the host, so no
 device values beyond cu_seqlens are read back); the NumPy path rejects them.
 """
 
@@ -110,16 +110,20 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 
 def _paged_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                 window_size, softcap, alibi_slopes, return_attn_probs, block_table, out):
-    """flash_attn_varlen_func with block_table: forward only, every framework but JAX."""
+    """flash_attn_varlen_func with block_table: forward only."""
     check_paged_dropout(dropout_p)
     window, softcap = check_window(window_size), check_softcap(softcap)
     max_seqlen_q, max_seqlen_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k",
                                                                                                   max_seqlen_k)
     framework = interop.framework_of(q)
-    if framework == "jax":
-        raise NotImplementedError("block_table: paged K/V in flash_attn_varlen_func takes NumPy, CuPy or torch "
-                                  "arrays, not JAX arrays")
-    if framework == "torch":
+    if framework == "jax":  # jit-able; differentiating raises (no backward)
+        from . import jax_ops
+
+        jax_ops.check_call(out, return_attn_probs, 0.0, None, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
+                           alibi_slopes)
+        out, lse = jax_ops.varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                softmax_scale, causal, window, softcap, alibi_slopes, block_table)
+    elif framework == "torch":
         from . import torch_ops
 
         out, lse = torch_ops.varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

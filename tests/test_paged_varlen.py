@@ -162,13 +162,6 @@ def test_gqa_heads_must_divide():
         validate_paged_varlen(q, k3, k3, table, None, cu, [0, 2, 5], cu, [0, 1, 2], 3, 1)
 
 
-def test_jax_arrays_are_refused():
-    jnp = pytest.importorskip("jax.numpy")
-    with pytest.raises(NotImplementedError, match="block_table"):
-        cuflash2.flash_attn_varlen_func(jnp.zeros((4, 2, 32), jnp.float16), None, None, None, None, 4, 4,
-                                        block_table=np.zeros((1, 1), np.int32))
-
-
 # ---- kernel choice -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", [80, 86, 90])
