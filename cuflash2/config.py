@@ -399,6 +399,13 @@ def kvcache_config(head_dim: int, dtype: str, causal: bool, arch: int, query_row
     return config
 
 
+def paged_varlen_config(head_dim: int, dtype: str, causal: bool, arch: int, max_seqlen_q: int) -> KernelConfig:
+    """The kernel of flash_attn_varlen_func with block_table: the KV-cache forward kernel (paged
+    loads, per-sequence ranges from cu_seqlens), never the decoding kernel (its rows are a GQA
+    group of one query, which needs every sequence to have the same length)."""
+    return kvcache_config(head_dim, dtype, causal, arch, max(max_seqlen_q, DECODE_ROWS + 1))
+
+
 def kvcache_helper_configs(dtype: str) -> tuple[KernelConfig, KernelConfig]:
     """(rotary/append copy, split-KV combine) for one dtype."""
     _check_dtype(dtype)
@@ -406,6 +413,8 @@ def kvcache_helper_configs(dtype: str) -> tuple[KernelConfig, KernelConfig]:
 
 
 def all_kvcache_configs(arch: int) -> list[KernelConfig]:
+    """Every KV-cache instantiation (flash_attn_with_kvcache, and the paged varlen forward, whose
+    paged_varlen_config tiles are among the 32- and 64-row ones listed here)."""
     rows_of = {bucket: (64,) + ((KVCACHE_SHORT_ROWS,) if bucket in _KVCACHE_SHORT_TILES else ()) +
                ((DECODE_ROWS,) if bucket in _DECODE_TILES else ()) for bucket in HEAD_DIM_BUCKETS}
     configs = [kvcache_config(bucket, dtype, causal, arch, rows)

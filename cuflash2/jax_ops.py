@@ -377,3 +377,97 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     problem = VarlenProblem(shape, total_q, total_k, prefill=not (covers_q and covers_k))
     causal, deterministic = _static_flags(causal=causal, deterministic=deterministic)
     return _varlen_attention(q, k, v, cu_q, cu_k, alibi, problem, causal, options, deterministic)
+
+
+# ---- paged varlen (flash_attn_varlen_func with block_table; forward only) ------------------------
+# As FA2, no backward: differentiating through it raises (the custom_vjp's backward). Concrete
+# cu_seqlens are checked on the host (validate_paged_varlen, the overflow of the page table
+# included); traced ones only for what is static, cu_seqlens_q then clamped on the device as above.
+# Key counts need no clamp: the kernel bounds each by its row of the page table.
+
+@dataclasses.dataclass(frozen=True)
+class PagedVarlenProblem:
+    """Static description of a paged varlen call (hashable)."""
+
+    shape: AttentionShape  # batch = number of sequences, seqlens = the given maxima
+    total_q: int
+    cache_shape: tuple  # (num_blocks, page_size, nheads_kv, headdim)
+    table_shape: tuple  # (batch, max_num_blocks_per_seq)
+    prefill: bool  # rows may lie outside every sequence (or cu_seqlens are unchecked)
+
+
+def _paged_forward_callback(ctx, outputs, q, k, v, cu_q, cu_k, table, alibi, *, problem: PagedVarlenProblem,
+                            causal: bool, options):
+    from .kvcache import paged_varlen_forward
+
+    out, lse = outputs
+    s = problem.shape
+    dtype = _element_type(s)
+    q_shape, cu_shape = (problem.total_q, s.nheads, s.head_dim), (s.batch + 1,)
+    q_i, out_i = (_buffer_info(b, q_shape, dtype) for b in (q, out))
+    k_i, v_i = (_buffer_info(b, problem.cache_shape, dtype) for b in (k, v))
+    lse_i = _buffer_info(lse, (s.nheads, problem.total_q), np.float32)
+    features = _features(options, alibi, cu_seqlens_q=_buffer_info(cu_q, cu_shape, np.int32),
+                         cu_seqlens_k=_buffer_info(cu_k, cu_shape, np.int32), total_q=problem.total_q)
+    device_id, stream = _device_and_stream(ctx, q_i.data_ptr)
+    cp = interop.import_cupy()
+    with cp.cuda.Device(device_id), stream:
+        if problem.prefill:
+            _prefill(device_id, stream, (out_i, 0), (lse_i, np.inf))
+        paged_varlen_forward(interop.GpuCall("jax", device_id, stream), q_i, k_i, v_i, out_i, lse_i,
+                             _buffer_info(table, problem.table_shape, np.int32), s, problem.cache_shape[1], causal,
+                             features)
+
+
+def _paged_forward(q, k, v, cu_q, cu_k, table, alibi, problem: PagedVarlenProblem, causal, options):
+    lse_type = jax.ShapeDtypeStruct((problem.shape.nheads, problem.total_q), jnp.float32)
+    if min(problem.total_q, problem.shape.seqlen_q) == 0:
+        return jnp.zeros_like(q), jnp.full(lse_type.shape, jnp.inf, jnp.float32)
+    callback = functools.partial(_paged_forward_callback, problem=problem, causal=causal, options=options)
+    return buffer_callback(callback, (jax.ShapeDtypeStruct(q.shape, q.dtype), lse_type))(q, k, v, cu_q, cu_k, table,
+                                                                                         alibi)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _paged_attention(q, k, v, cu_q, cu_k, table, alibi, problem, causal, options):
+    return _paged_forward(q, k, v, cu_q, cu_k, table, alibi, problem, causal, options)
+
+
+def _paged_attention_fwd(q, k, v, cu_q, cu_k, table, alibi, problem, causal, options):
+    return _paged_forward(q, k, v, cu_q, cu_k, table, alibi, problem, causal, options), None
+
+
+def _paged_attention_bwd(problem, causal, options, residuals, cotangents):
+    raise NotImplementedError("block_table: flash_attn_varlen_func with paged K/V has no backward (as in "
+                              "flash-attn); differentiate only calls without block_table")
+
+
+_paged_attention.defvjp(_paged_attention_fwd, _paged_attention_bwd)
+
+
+def varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, softmax_scale,
+                         causal, window, softcap, alibi_slopes, block_table):
+    """(out (total_q, nheads, d), softmax_lse (nheads, total_q)) of a varlen call against paged K/V;
+    traceable under jit, not differentiable."""
+    from .varlen import validate_paged_varlen
+
+    _check_jax_inputs(k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+    infos = {name: _contiguous_info(x.shape, x.dtype) for name, x in
+             (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+              ("block_table", block_table))}
+    traced = any(isinstance(x, jax.core.Tracer) for x in (cu_seqlens_q, cu_seqlens_k))
+    if traced:  # only the static checks: zeros pass the value checks
+        values_q, values_k = np.zeros(cu_seqlens_q.shape, np.int64), np.zeros(cu_seqlens_k.shape, np.int64)
+    else:  # one small device-to-host copy each, as on the CuPy path
+        values_q, values_k = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+    problem = validate_paged_varlen(infos["q"], infos["k"], infos["v"], infos["block_table"], softmax_scale,
+                                    infos["cu_seqlens_q"], values_q, infos["cu_seqlens_k"], values_k, max_seqlen_q,
+                                    max_seqlen_k, check_pointers=False)
+    shape = problem.shape
+    alibi, options = _options(shape, window, softcap, alibi_slopes, NO_DROPOUT)
+    total_q = q.shape[0]
+    cu_q = jax.lax.cummax(jnp.clip(cu_seqlens_q, 0, total_q)) if traced else cu_seqlens_q
+    static = PagedVarlenProblem(shape, total_q, tuple(k.shape), tuple(block_table.shape),
+                                prefill=traced or not problem.covers_all_rows)
+    (causal,) = _static_flags(causal=causal)
+    return _paged_attention(q, k, v, cu_q, cu_seqlens_k, block_table, alibi, static, causal, options)

@@ -26,8 +26,8 @@ import numpy as np
 
 from . import interop, kvcache_step, launch, reference
 from .api import numpy_alibi
-from .config import FWD_DECODE, KernelConfig, kvcache_config, kvcache_helper_configs
-from .features import Features, check_alibi, check_softcap, check_window
+from .config import FWD_DECODE, KernelConfig, kvcache_config, kvcache_helper_configs, paged_varlen_config
+from .features import Features, as_batched, check_alibi, check_softcap, check_window
 from .validate import (
     AttentionShape,
     TensorInfo,
@@ -499,15 +499,9 @@ def _attention(device_id, q, out, lse, cache: _Cache, sym: dict, causal, feature
     partial_rows = num_splits * rows if num_splits > 1 else 0
     o_partial = _symbolic("o_partial", lse) if partial_rows else None
     lse_partial = _symbolic("lse_partial", lse) if partial_rows else None
-    table = sym["block_table"]
-    args = (_ptr(q), _ptr(sym["k_cache"]), _ptr(sym["v_cache"]), _ptr(out), _ptr(lse), *_strides3(q),
-            *_strides3(sym["k_cache"]), *_strides3(sym["v_cache"]), *_strides3(out), np.int32(shape.seqlen_q),
-            np.int32(cache.cache_rows), np.int32(shape.head_dim), np.int32(shape.kv_group),
-            *features.kernel_args(causal, shape.softmax_scale),
-            _ptr(sym["cache_seqlens"]), np.int32(cache.seqlen_new), _ptr(sym["cache_batch_idx"]),
-            _ptr(sym["cache_leftpad"]), _ptr(table), np.int64(table.strides[0] if table else 0),
-            np.int32(max(cache.page_size, 1)), np.int32(cache.cache_rows), np.int32(cache.cache_entries),
-            np.int32(num_splits), _ptr(o_partial), _ptr(lse_partial))
+    args = _attention_args(q, sym["k_cache"], sym["v_cache"], out, lse, shape, shape.seqlen_q, cache, causal,
+                           features, sym["cache_seqlens"], sym["cache_batch_idx"], sym["cache_leftpad"],
+                           sym["block_table"], num_splits, o_partial, lse_partial)
     launches = [_Launch.of(config, (m_blocks * num_splits, shape.nheads, cache.batch), args)]
     if partial_rows:
         launches.append(_Launch.of(combine, (math.ceil(rows * 32 / _THREADS),),
@@ -515,6 +509,45 @@ def _attention(device_id, q, out, lse, cache: _Cache, sym: dict, causal, feature
                                     np.int32(num_splits), np.int32(cache.batch), np.int32(shape.nheads),
                                     np.int32(shape.seqlen_q), np.int32(shape.head_dim))))
     return launches, partial_rows
+
+
+def _attention_args(q, k_cache, v_cache, out, lse, shape: AttentionShape, seqlen_q_arg: int, cache: _Cache, causal,
+                    features: Features, cache_seqlens, cache_batch_idx, cache_leftpad, table, num_splits, o_partial,
+                    lse_partial) -> tuple:
+    """The argument list of flash_fwd_kvcache_kernel / flash_fwd_decode_kernel (CF_FWD_PARAMS,
+    CF_VARIANT_PARAMS, CF_KVCACHE_PARAMS). seqlen_q_arg: the query rows per sequence, or total_q in
+    a paged varlen call (the LSE's row count)."""
+    return (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(lse), *_strides3(q), *_strides3(k_cache),
+            *_strides3(v_cache), *_strides3(out), np.int32(seqlen_q_arg), np.int32(cache.cache_rows),
+            np.int32(shape.head_dim), np.int32(shape.kv_group), *features.kernel_args(causal, shape.softmax_scale),
+            _ptr(cache_seqlens), np.int32(cache.seqlen_new), _ptr(cache_batch_idx), _ptr(cache_leftpad), _ptr(table),
+            np.int64(table.strides[0] if table else 0), np.int32(max(cache.page_size, 1)),
+            np.int32(cache.cache_rows), np.int32(cache.cache_entries), np.int32(num_splits), _ptr(o_partial),
+            _ptr(lse_partial))
+
+
+# ---- paged varlen (flash_attn_varlen_func with block_table) -------------------------------------
+
+def paged_varlen_forward(call, q: TensorInfo, k_cache: TensorInfo, v_cache: TensorInfo, out: TensorInfo,
+                         lse: TensorInfo, block_table: TensorInfo, shape: AttentionShape, page_size: int, causal: bool,
+                         features: Features) -> None:
+    """out, lse <- attention of packed q against paged K/V: the KV-cache kernel with the varlen
+    sequence ranges (kernels_cu/variant.cuh, kvcache_seq_range). q and out are (total_q, nheads, d),
+    lse (nheads, total_q); features carry cu_seqlens_q/k and total_q (validated by the caller,
+    shape.seqlen_q/k being the maxima). One launch, no split of the keys: the kernel's split-KV
+    partial layout is per fixed-length sequence. Launches nothing when there is no query row."""
+    if shape.seqlen_q == 0 or shape.batch == 0:
+        return
+    config = paged_varlen_config(shape.head_dim, launch.SHORT_DTYPE[shape.dtype], causal,
+                                 launch.device_arch(call.device_id), shape.seqlen_q)
+    max_pages = block_table.shape[1]
+    cache = _Cache(shape.batch, shape.seqlen_q, shape.nheads, shape.nheads_kv, shape.head_dim, 0,
+                   page_size * max_pages, k_cache.shape[0], page_size, 0, shape)
+    args = _attention_args(as_batched(q, shape.batch, shape.seqlen_q), k_cache, v_cache,
+                           as_batched(out, shape.batch, shape.seqlen_q), lse, shape, features.total_q, cache, causal,
+                           features, None, None, None, block_table, 1, None, None)
+    grid = (math.ceil(shape.seqlen_q / config.block_m), shape.nheads, shape.batch)
+    launch._launch(config, call.device_id, call.stream, grid, args)
 
 
 # ---- NumPy (CPU reference of the same semantics) ------------------------------------------------

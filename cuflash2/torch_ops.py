@@ -346,3 +346,53 @@ def kvcache_traced(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
 def traced(q) -> bool:
     """Whether a call on q must go through the custom ops (torch.compile tracing, fake or meta tensors)."""
     return _use_custom_op(q)
+
+
+# ---- paged varlen (forward only) --------------------------------------------------------------------
+# flash_attn_varlen_func with block_table: FA2 has no backward there, so neither the op nor the
+# eager path is differentiable, and inputs that require grad are refused up front (varlen_paged_forward).
+
+def _varlen_paged_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return varlen.flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
+                                            out=out, block_table=block_table)
+
+
+@torch.library.custom_op("cuflash2::flash_attn_varlen_paged_fwd", mutates_args=(), device_types="cuda")
+def _flash_attn_varlen_paged_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                 block_table: Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                                 causal: bool, window_left: int, window_right: int, softcap: float,
+                                 alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor]:
+    return _varlen_paged_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k,
+                                  softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+
+
+@_flash_attn_varlen_paged_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, *options):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                         window, softcap, alibi_slopes, block_table, out=None):
+    """(out, softmax_lse) of a varlen call against paged K/V (forward only: inputs that require
+    grad raise while grad mode is on; run under torch.no_grad() / torch.inference_mode())."""
+    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
+    for name, x in (("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("block_table", block_table), ("alibi_slopes", alibi_slopes)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch tensor like q, got {type(x).__name__}")
+    if torch.is_grad_enabled():
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.requires_grad:
+                raise RuntimeError(f"{name}: flash_attn_varlen_func with block_table has no backward (as in "
+                                   f"flash-attn); expected tensors that do not require grad, or a call under "
+                                   f"torch.no_grad() / torch.inference_mode()")
+    op = _flash_attn_varlen_paged_fwd if _use_custom_op(q) else _varlen_paged_fwd_impl
+    result, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, int(max_seqlen_q), int(max_seqlen_k), scale,
+                     bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return result, lse

@@ -169,15 +169,16 @@ CF_DEVICE FwdBlock locate_block(unsigned bx, unsigned by, unsigned bz, int nhead
     using Grid = FwdGrid<kCausal, kKvCache>;
     const Grid at = Grid::at(bx, by, bz, nheads);
     FwdBlock b;
-    // Split-KV packs (split, query block) into blockIdx.x.
-    const int m_blocks = kKvCache ? (seqlen_q + kBlockM - 1) / kBlockM : Grid::blocks();
+    // Split-KV packs (split, query block) into blockIdx.x (grid x = query blocks x splits; seqlen_q is
+    // total_q in a paged varlen call, so the query blocks come from the grid).
+    const int m_blocks = kKvCache ? (int)(gridDim.x / max(kc.num_splits, 1)) : Grid::blocks();
     b.split = kKvCache ? at.block / m_blocks : 0;
     const int m_index = kKvCache ? at.block % m_blocks : at.block;
     // Causal: the last query blocks have the most keys to visit; schedule them first.
     b.m_block = kCausal ? m_blocks - 1 - m_index : m_index;
     b.head = at.head;
     b.batch = at.batch;
-    b.seq = kKvCache ? kvcache_seq_range(kc, at.batch, Grid::heads(nheads), seqlen_q)
+    b.seq = kKvCache ? kvcache_seq_range(kc, va, at.batch, Grid::heads(nheads), seqlen_q)
                      : SeqRange::make<kVariant>(va, at.batch, Grid::heads(nheads), seqlen_q, seqlen_k);
     return b;
 }

@@ -112,8 +112,24 @@ struct KvCacheArgs {
 // Sequence range of batch entry `batch` in the KV-cache forward: keys [leftpad, cache_seqlens[b] + seqlen_new).
 // Lengths are clamped to the cache and a cache index outside it gives an empty sequence, so bad
 // values in device arrays (which the host does not read) cannot make the kernel read out of bounds.
-CF_DEVICE SeqRange kvcache_seq_range(const KvCacheArgs& kc, int batch, int nheads, int seqlen_q) {
+// Paged varlen (flash_attn_varlen_func with block_table; va.cu_seqlens_q set): q is packed, sequence
+// b's queries are rows cu_seqlens_q[b] : cu_seqlens_q[b + 1], its keys are the first
+// cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages (clamped to the page table), and the LSE
+// is (nheads, total_q) with total_q passed as seqlen_q, as in the varlen forward.
+CF_DEVICE SeqRange kvcache_seq_range(const KvCacheArgs& kc, const VariantArgs& va, int batch, int nheads,
+                                     int seqlen_q) {
     SeqRange r;
+    if (va.cu_seqlens_q != nullptr) {
+        r.q_start = va.cu_seqlens_q[batch];
+        r.seqlen_q = va.cu_seqlens_q[batch + 1] - r.q_start;
+        r.seqlen_k = min(max(va.cu_seqlens_k[batch + 1] - va.cu_seqlens_k[batch], 0), kc.cache_rows);
+        r.k_start = 0;
+        r.q_flat = r.q_start;
+        r.k_flat = 0;  // unused: no backward
+        r.lse_stride_h = seqlen_q;
+        r.lse_base = r.q_start;
+        return r;
+    }
     const int leftpad = kc.cache_leftpad != nullptr ? max(kc.cache_leftpad[batch], 0) : 0;
     const int entry = kc.cache_batch_idx != nullptr ? kc.cache_batch_idx[batch] : batch;
     const bool entry_ok = kc.block_table != nullptr || (unsigned)entry < (unsigned)kc.cache_entries;

@@ -76,6 +76,23 @@ for d in (64, 128):
     cp.cuda.get_current_stream().synchronize()
     print(f"ok varlen d={d}", flush=True)
 
+# Paged varlen (chunked prefill through block_table): odd page sizes, rows past the last sequence,
+# out-of-range page ids (read as zero keys, never outside the cache).
+lens_q, lens_k = [5, 0, 37, 16], [90, 3, 50, 16]
+cu_q = cp.asarray(np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32))
+cu_k = cp.asarray(np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32))
+for d, page in ((64, 7), (128, 1), (96, 16)):
+    per_seq = -(-max(lens_k) // page)
+    q, = arrays((sum(lens_q) + 3, 4, d))
+    pages_k, pages_v = arrays((4 * per_seq + 1, page, 2, d), (4 * per_seq + 1, page, 2, d))
+    table = rng.permutation(4 * per_seq + 1)[:4 * per_seq].reshape(4, per_seq).astype(np.int32)
+    table[2, 0], table[3, -1] = 10 ** 6, -3
+    out, lse = cuflash2.flash_attn_varlen_forward(q, pages_k, pages_v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                  causal=True, block_table=cp.asarray(table))
+    cp.cuda.get_current_stream().synchronize()
+    assert bool(cp.isfinite(as_float32(cp, out)).all())
+    print(f"ok paged varlen d={d} page={page}", flush=True)
+
 # KV cache: append with rotary into a paged cache (odd page size), split-KV and its combine kernel.
 # Sequences span several key blocks (200-280 rows), so the requested splits really happen.
 for d, page, splits in ((64, 5, 3), (128, 16, 1), (256, 7, 0)):

@@ -163,3 +163,47 @@ def test_static_flags_and_array_types_are_checked_before_tracing_further():
     with pytest.raises(TypeError, match="deterministic: expected a Python bool"):
         jax.make_jaxpr(lambda q, k, d: cuflash2.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 60, 30,
                                                                         deterministic=d))(vq, vk, False)
+
+
+# ---- paged varlen (block_table; forward only) ----------------------------------------------------
+
+def _paged_inputs():
+    q = jnp.zeros((100, 4, 64), jnp.bfloat16)
+    k_cache = jnp.zeros((12, 16, 2, 64), jnp.bfloat16)
+    table = jnp.asarray(np.arange(12, dtype=np.int32).reshape(3, 4))
+    return q, k_cache, _cu([40, 0, 60]), _cu([64, 5, 60]), table
+
+
+def test_paged_varlen_traces_under_jit_with_its_static_problem():
+    q, k_cache, cu_q, cu_k, table = _paged_inputs()
+
+    def attention(q, k, v, cu_q, cu_k, table):
+        return cuflash2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 60, 64, causal=True, block_table=table)
+
+    out = jax.eval_shape(jax.jit(attention), q, k_cache, k_cache, cu_q, cu_k, table)
+    assert (out.shape, out.dtype) == (q.shape, q.dtype)
+    traced = _callbacks(jax.jit(attention), q, k_cache, k_cache, cu_q, cu_k, table)
+    concrete = _callbacks(lambda q: attention(q, k_cache, k_cache, cu_q, cu_k, table), q)
+    problems = [c.keywords["problem"] for c in traced + concrete]
+    assert [p.prefill for p in problems] == [True, False]  # concrete cu_seqlens cover every row of q
+    assert problems[1].cache_shape == (12, 16, 2, 64) and problems[1].table_shape == (3, 4)
+    assert (problems[1].shape.seqlen_q, problems[1].shape.seqlen_k, problems[1].total_q) == (60, 64, 100)
+
+
+def test_paged_varlen_checks_and_no_backward():
+    q, k_cache, cu_q, cu_k, table = _paged_inputs()
+    with pytest.raises(ValueError, match="block_table: expected at most 4 pages x 16 rows = 64 keys per sequence, "
+                                         "got sequence 0 with 65 keys"):
+        cuflash2.flash_attn_varlen_func(q, k_cache, k_cache, cu_q, _cu([65, 5, 60]), 60, 65, block_table=table)
+    with pytest.raises(TypeError, match="block_table: expected dtype int32"):
+        jax.eval_shape(lambda t: cuflash2.flash_attn_varlen_func(q, k_cache, k_cache, cu_q, cu_k, 60, 64,
+                                                                 block_table=t), table.astype(jnp.float32))
+    with pytest.raises(ValueError, match="dropout_p: expected 0.0 with block_table"):
+        cuflash2.flash_attn_varlen_func(q, k_cache, k_cache, cu_q, cu_k, 60, 64, dropout_p=0.1, block_table=table)
+
+    def loss(q):
+        out = cuflash2.flash_attn_varlen_func(q, k_cache, k_cache, cu_q, cu_k, 60, 64, block_table=table)
+        return out.astype(jnp.float32).sum()
+
+    with pytest.raises(NotImplementedError, match="block_table: flash_attn_varlen_func with paged K/V has no backward"):
+        jax.eval_shape(jax.grad(loss), q)
