@@ -3,18 +3,25 @@
 A frozen :class:`KernelConfig` is at once the template arguments of one kernel instantiation, the
 key of the compile cache and the id of its tests. Head dims are served by buckets (multiples of 32
 up to 256): a head dim of 40 runs the 64-wide kernel with the columns past 40 zero-filled on load
-and never stored, so 8 buckets cover every supported head dim.
+and never stored, so 8 buckets cover every head dim from 1 to 256.
+
+Global memory is accessed in pieces of a per-call vector width (vector_width: 16 bytes where the
+call's pointers, strides and head dim allow it, else 8, 4 or 2), a compile-time constant of the
+kernel (KernelConfig.vec): any head dim and any 2-byte aligned layout run without a padding copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 MAX_HEAD_DIM = 256
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = ("bf16", "fp16")
+#: Bytes per global access the kernels can be compiled for (KernelConfig.vec), widest first.
+VECTOR_WIDTHS = (16, 8, 4, 2)
 
 #: Largest dynamic shared memory one block may use, in bytes, per compute capability.
 SMEM_LIMIT_BYTES = {
@@ -61,6 +68,10 @@ class KernelConfig:
     causal: bool = False
     flags: tuple[bool, ...] = ()
     variant: bool = False
+    # Bytes per global load/store of the call's tensors (vector_width); below 16 the kernel is built
+    # with narrower pieces (kVecBytes in kernels_cu/ptx.cuh, set by compile_options). Not a template
+    # argument: the 16-byte kernels keep their names and code.
+    vec: int = 16
 
     @property
     def threads(self) -> int:
@@ -129,7 +140,13 @@ class KernelConfig:
         names = ("f32",) if self.kernel == BWD_FUSED else ("dv", "dk", "dq", "f32")
         if any(self.flags):
             parts.append("".join(name for name, on in zip(names, self.flags) if on))
+        if self.vec != 16:
+            parts.append(f"v{self.vec}")
         return "-".join(parts)
+
+    def compile_options(self) -> tuple[str, ...]:
+        """NVRTC options beyond the common ones: the vector width where it is not 16 bytes."""
+        return () if self.vec == 16 else (f"-DCF_VEC_BYTES={self.vec}",)
 
     @property
     def accumulates_dq(self) -> bool:
@@ -143,7 +160,7 @@ class KernelConfig:
         head dims that are multiples of 32, and not in the fused kernel (it pads its rows instead:
         dq_row_pad_floats); 0 means no permutation."""
         swizzles = self.accumulates_dq and self.kernel != BWD_FUSED  # the fused kernel pads rows instead
-        return 24 if swizzles and head_dim % 32 == 0 else 0
+        return 24 if swizzles and fp32_cols(head_dim) % 32 == 0 else 0
 
     @property
     def dq_row_pad_floats(self) -> int:
@@ -199,12 +216,43 @@ class KernelConfig:
     def dq_row_pitch(self, head_dim: int) -> int:
         """Floats per row of the fp32 dQ accumulator this kernel fills for a call with `head_dim`
         (rows are copied byte for byte from its shared-memory staging): padded rows span the
-        kernel's width (a compile-time pitch), the others the call's head dim."""
-        return self.head_dim + self.dq_row_pad_floats if self.dq_row_pad_floats else head_dim
+        kernel's width (a compile-time pitch), the others the call's head dim rounded up to 8
+        (fp32_cols)."""
+        return self.head_dim + self.dq_row_pad_floats if self.dq_row_pad_floats else fp32_cols(head_dim)
 
     @property
     def source_file(self) -> str:
         return SOURCE_FILE[self.kernel]
+
+
+def fp32_cols(head_dim: int) -> int:
+    """Columns per row of the kernels' fp32 scratch (dQ/dK/dV accumulators, split-KV partials): the
+    head dim rounded up to a multiple of 8, so that scratch rows stay 16-byte aligned for any head
+    dim (fp32_cols in kernels_cu/ptx.cuh; the same as the head dim where the vector width is 16)."""
+    return -(-head_dim // 8) * 8
+
+
+def vector_width(head_dim: int, itemsize: int = 2, byte_offsets=()) -> int:
+    """Bytes per global access of a call: the largest of VECTOR_WIDTHS dividing head_dim * itemsize
+    and every one of `byte_offsets` (the base pointer of each tensor the kernels read or write and
+    each of its batch/row/head strides in bytes, leaving out those of size-1 dims, which are never
+    applied). Dividing the row's bytes too, a piece is never split by the end of the head dim: it
+    is copied whole or zero-filled whole. Zero offsets (broadcast or unused strides) allow any width."""
+    common = head_dim * itemsize
+    for offset in byte_offsets:
+        common = math.gcd(common, int(offset))
+    for width in VECTOR_WIDTHS:
+        if common % width == 0:
+            return width
+    raise ValueError(f"data: expected pointers and strides aligned to {VECTOR_WIDTHS[-1]} bytes (whole 16-bit "
+                     f"elements), got a common alignment of {common} bytes")
+
+
+def with_vector_width(config: KernelConfig, vec: int) -> KernelConfig:
+    """`config` built for vector width `vec` (the element-wise rotary/append copy takes no width)."""
+    if vec == config.vec or config.kernel == ROTARY_COPY:
+        return config
+    return dataclasses.replace(config, vec=vec)
 
 
 def head_dim_bucket(head_dim: int) -> int:
