@@ -453,13 +453,32 @@ def kvcache_helper_configs(dtype: str) -> tuple[KernelConfig, KernelConfig]:
     return KernelConfig(ROTARY_COPY, dtype, warps=8), KernelConfig(FWD_COMBINE, dtype, warps=8)
 
 
+def _kvcache_configs_of(arch: int, bucket: int, dtype: str) -> list[KernelConfig]:
+    return [kvcache_config(bucket, dtype, causal, arch, r) for causal in (False, True)
+            for r in _kvcache_configs_of_rows(bucket)] + list(kvcache_helper_configs(dtype))
+
+
 def all_kvcache_configs(arch: int) -> list[KernelConfig]:
-    rows_of = {bucket: (64,) + ((KVCACHE_SHORT_ROWS,) if bucket in _KVCACHE_SHORT_TILES else ()) +
-               ((DECODE_ROWS,) if bucket in _DECODE_TILES else ()) for bucket in HEAD_DIM_BUCKETS}
+    """Every KV-cache instantiation at width 16 (narrow widths: all_narrow_configs)."""
     configs = [kvcache_config(bucket, dtype, causal, arch, rows)
                for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)
-               for rows in rows_of[bucket]]
-    return configs + [c for dtype in DTYPES for c in kvcache_helper_configs(dtype)]
+               for rows in _kvcache_configs_of_rows(bucket)]
+    configs += [c for dtype in DTYPES for c in kvcache_helper_configs(dtype)]
+    return list(dict.fromkeys(configs))
+
+
+def all_narrow_configs(arch: int) -> list[KernelConfig]:
+    """The narrow vector widths' instantiations the compile test covers (NARROW_SAMPLES): forward,
+    backward and KV-cache kernels of the sampled buckets and widths."""
+    configs = []
+    for configs_of in (_forward_configs_of, _backward_configs_of, _kvcache_configs_of):
+        configs += _narrow_samples(functools.partial(configs_of, arch))
+    return list(dict.fromkeys(configs))
+
+
+def _kvcache_configs_of_rows(bucket: int) -> tuple[int, ...]:
+    return (64,) + ((KVCACHE_SHORT_ROWS,) if bucket in _KVCACHE_SHORT_TILES else ()) + \
+        ((DECODE_ROWS,) if bucket in _DECODE_TILES else ())
 
 
 # ---- backward -----------------------------------------------------------------------------------
@@ -634,27 +653,58 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
 
 # ---- everything ---------------------------------------------------------------------------------
 
+# Narrow vector widths: which of them the enumerators below (and so the compile test) cover. Every
+# bucket can meet every width its head dims allow (a head dim's own width, or narrower for views
+# and odd offsets), but the widths change only the global <-> shared copies and the epilogue stores,
+# not the MMA loops, so the full cross product (four times the instantiations, and the compile
+# test's time) would mostly repeat itself. Covered instead: the (bucket, width) pairs of contiguous
+# calls at representative head dims, fp16 only (bf16 differs in conversions only), every plan and
+# tile of each: 2 bytes, the widest change (loads through registers), at the buckets of d=59 (4
+# warps), d=111 (the register-tight 4-warp forward and the fused backward's 255 registers) and d=255
+# (8 warps, the split backward); 4 bytes at d=90's bucket; 8 bytes at d=100's.
+NARROW_SAMPLES = ((64, 2), (96, 4), (128, 8), (128, 2), (256, 2))  # (bucket, vector width)
+NARROW_SAMPLE_DTYPE = "fp16"
+
+
+def possible_vector_widths(head_dim: int) -> tuple[int, ...]:
+    """The widths a call with this head dim can take (those dividing head_dim * 2), widest first."""
+    return tuple(w for w in VECTOR_WIDTHS if head_dim * 2 % w == 0)
+
+
+def _narrow_samples(configs_of) -> list[KernelConfig]:
+    """configs_of(bucket, dtype) at the NARROW_SAMPLES widths."""
+    return [with_vector_width(c, vec) for bucket, vec in NARROW_SAMPLES
+            for c in configs_of(bucket, NARROW_SAMPLE_DTYPE)]
+
+
+def _forward_configs_of(arch: int, bucket: int, dtype: str) -> list[KernelConfig]:
+    return [forward_config(bucket, dtype, causal, arch, variant, seqlen)
+            for variant in (False, True) for causal in (False, True) for seqlen in FWD_SEQLEN_CLASSES]
+
+
 def all_forward_configs(arch: int) -> list[KernelConfig]:
-    """Every forward instantiation the library can launch on `arch`."""
-    configs = [forward_config(bucket, dtype, causal, arch, variant, seqlen)
-               for variant in (False, True) for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)
-               for seqlen in FWD_SEQLEN_CLASSES]
+    """Every forward instantiation the library can launch on `arch` at width 16 (narrow widths:
+    all_narrow_configs)."""
+    configs = [c for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for c in _forward_configs_of(arch, bucket, dtype)]
     return list(dict.fromkeys(configs))
 
 
 def all_backward_configs(arch: int) -> list[KernelConfig]:
     """Every backward instantiation (all plans: deterministic or not, MHA or GQA, plain or variant;
     the variant kernels serve only the default dQ-kernel plan)."""
+    configs = [c for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for c in _backward_configs_of(arch, bucket, dtype)]
+    return list(dict.fromkeys(configs))
+
+
+def _backward_configs_of(arch: int, bucket: int, dtype: str) -> list[KernelConfig]:
     configs: dict[KernelConfig, None] = {}
-    for bucket in HEAD_DIM_BUCKETS:
-        for dtype in DTYPES:
-            for causal in (False, True):
-                for options in backward_plan_options(arch):
-                    for gqa in (False, True):
-                        if options.get("fused") and not fused_backward_supported(bucket, arch, causal=causal, gqa=gqa):
-                            continue
-                        for config in backward_plan(bucket, dtype, causal, arch, gqa=gqa, **options).kernels():
-                            configs[config] = None
+    for causal in (False, True):
+        for options in backward_plan_options(arch):
+            for gqa in (False, True):
+                if options.get("fused") and not fused_backward_supported(bucket, arch, causal=causal, gqa=gqa):
+                    continue
+                for config in backward_plan(bucket, dtype, causal, arch, gqa=gqa, **options).kernels():
+                    configs[config] = None
     return list(configs)
 
 
@@ -670,4 +720,4 @@ def tuning_backward_configs(arch: int) -> list[KernelConfig]:
 
 
 def all_configs(arch: int) -> list[KernelConfig]:
-    return all_forward_configs(arch) + all_backward_configs(arch) + all_kvcache_configs(arch)
+    return all_forward_configs(arch) + all_backward_configs(arch) + all_kvcache_configs(arch) + all_narrow_configs(arch)

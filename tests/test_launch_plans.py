@@ -151,7 +151,10 @@ def test_fused_dq_rows_padded_instead_of_swizzled_spread_banks(head_dim):
 
 def test_only_the_atomic_dq_main_kernel_swizzles_the_dq_accumulator():
     assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_column_swizzle(64) == 24
-    assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_row_pitch(60) == 60
+    # unpadded rows span the head dim rounded up to 8 columns (the kernels' fp32_cols)
+    assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_row_pitch(64) == 64
+    assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_row_pitch(60) == 64
+    assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_row_pitch(59) == 64
     assert config.backward_plan(64, "bf16", False, 90).main[0].dq_column_swizzle(64) == 0  # fused: padded
     assert config.backward_plan(64, "bf16", False, 90).main[0].dq_row_pitch(60) == 72
     assert config.backward_plan(64, "bf16", False, 90, deterministic=True).main[0].dq_column_swizzle(64) == 0
