@@ -249,9 +249,18 @@ def vector_width(head_dim: int, itemsize: int = 2, byte_offsets=()) -> int:
 
 
 def with_vector_width(config: KernelConfig, vec: int) -> KernelConfig:
-    """`config` built for vector width `vec` (the element-wise rotary/append copy takes no width)."""
+    """`config` built for vector width `vec` (the element-wise rotary/append copy takes no width).
+    Forward tiles with 32 query rows per warp at head dims >= 96 hold 240-255 registers at width 16;
+    the narrow copies' extra addresses and predicates (registers, at width 2) make them spill, so
+    below 16 bytes they run with twice the warps, 16 rows each (the same shared memory or less);
+    at head dims >= 224 also with 32-key blocks, as the variant tiles (64 spill at width 2)."""
     if vec == config.vec or config.kernel == ROTARY_COPY:
         return config
+    if vec < 16 and config.kernel in (FWD, FWD_KVCACHE) and config.head_dim >= 96:
+        if config.block_m // (16 * config.warps) >= 2:
+            config = dataclasses.replace(config, warps=config.warps * 2)
+        if config.head_dim >= 224 and config.block_n > 32:
+            config = dataclasses.replace(config, block_n=32)
     return dataclasses.replace(config, vec=vec)
 
 
