@@ -42,7 +42,8 @@ def main() -> None:
 @main.command("compile")
 @click.option("--arch", default=None, help="Target archs, e.g. sm_80,sm_90 (no GPU needed). "
                                            "Default: precompile for the local GPU.")
-@click.option("--head-dims", default=None, help="Comma-separated head dims (default: every bucket).")
+@click.option("--head-dims", default=None, help="Comma-separated head dims, 1 to 256 (default: every bucket). Each "
+                                                "compiles at the vector width of a contiguous tensor of that head dim.")
 @click.option("--dtypes", default="bf16,fp16", show_default=True, help="Comma-separated: bf16, fp16.")
 @click.option("--kernels", type=click.Choice(["all", "fwd", "bwd"]), default="all", show_default=True,
               help="Forward, backward, or both kernel families.")
@@ -57,8 +58,9 @@ def compile_command(arch: str | None, head_dims: str | None, dtypes: str, kernel
         if d not in cfg.DTYPES:
             raise click.BadParameter(f"expected bf16 or fp16, got {d!r}", param_hint="--dtypes")
     for dim in dims:
-        if dim < 8 or dim > cfg.MAX_HEAD_DIM or dim % 8:
-            raise click.BadParameter(f"expected multiples of 8 in [8, 256], got {dim}", param_hint="--head-dims")
+        if dim < 1 or dim > cfg.MAX_HEAD_DIM:
+            raise click.BadParameter(f"expected head dims in [1, {cfg.MAX_HEAD_DIM}], got {dim}",
+                                     param_hint="--head-dims")
     kinds = ("fwd", "bwd") if kernels == "all" else (kernels,)
     if arch is None:
         failures = _compile_local(dims, dtype_list, kinds, jobs)
@@ -71,27 +73,35 @@ def compile_command(arch: str | None, head_dims: str | None, dtypes: str, kernel
 
 def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ...] = ("fwd", "bwd")
              ) -> list[cfg.KernelConfig]:
-    """Every instantiation the library can launch for these head dims and dtypes on `arch`."""
+    """Every instantiation the library can launch for these head dims and dtypes on `arch`, at the
+    vector width of contiguous tensors of each head dim (cfg.vector_width)."""
     unique: dict[cfg.KernelConfig, None] = {}
     for dim in dims:
-        for dtype in dtypes:
-            for causal in (False, True):
-                for variant in (False, True):
-                    if "fwd" in kinds:
-                        for seqlen in cfg.FWD_SEQLEN_CLASSES:  # the tiles chosen by length too
-                            unique[cfg.forward_config(dim, dtype, causal, arch, variant, seqlen)] = None
-                        for rows in (64, cfg.KVCACHE_SHORT_ROWS, cfg.DECODE_ROWS):
-                            unique[cfg.kvcache_config(dim, dtype, causal, arch, rows)] = None
-                        unique.update(dict.fromkeys(cfg.kvcache_helper_configs(dtype)))
-                if "bwd" in kinds:
-                    for options in cfg.backward_plan_options(arch):
-                        for gqa in (False, True):
-                            if options.get("fused") and not cfg.fused_backward_supported(
-                                    cfg.head_dim_bucket(dim), arch, causal=causal, gqa=gqa):
-                                continue
-                            plan = cfg.backward_plan(dim, dtype, causal, arch, gqa=gqa, **options)
-                            unique.update(dict.fromkeys(plan.kernels()))
+        vec = cfg.vector_width(dim)
+        unique.update(dict.fromkeys(cfg.with_vector_width(c, vec) for c in _configs_of_dim(arch, dim, dtypes, kinds)))
     return sorted(unique, key=lambda c: c.short_id())
+
+
+def _configs_of_dim(arch: int, dim: int, dtypes: list[str], kinds: tuple[str, ...]) -> list[cfg.KernelConfig]:
+    unique: dict[cfg.KernelConfig, None] = {}
+    for dtype in dtypes:
+        for causal in (False, True):
+            for variant in (False, True):
+                if "fwd" in kinds:
+                    for seqlen in cfg.FWD_SEQLEN_CLASSES:  # the tiles chosen by length too
+                        unique[cfg.forward_config(dim, dtype, causal, arch, variant, seqlen)] = None
+                    for rows in (64, cfg.KVCACHE_SHORT_ROWS, cfg.DECODE_ROWS):
+                        unique[cfg.kvcache_config(dim, dtype, causal, arch, rows)] = None
+                    unique.update(dict.fromkeys(cfg.kvcache_helper_configs(dtype)))
+            if "bwd" in kinds:
+                for options in cfg.backward_plan_options(arch):
+                    for gqa in (False, True):
+                        if options.get("fused") and not cfg.fused_backward_supported(
+                                cfg.head_dim_bucket(dim), arch, causal=causal, gqa=gqa):
+                            continue
+                        plan = cfg.backward_plan(dim, dtype, causal, arch, gqa=gqa, **options)
+                        unique.update(dict.fromkeys(plan.kernels()))
+    return list(unique)
 
 
 def _run_all(worker, items, jobs: int):

@@ -81,7 +81,7 @@ def get_kernel(config: KernelConfig, device_id: int):
 
             with cupy.cuda.Device(device_id):
                 module = cupy.RawModule(code=kernel_source(config.source_file),
-                                        options=_NVRTC_OPTIONS,
+                                        options=_NVRTC_OPTIONS + config.compile_options(),
                                         name_expressions=[config.template_name()])
                 kernel = module.get_function(config.template_name())
                 if config.smem_bytes > 48 * 1024:
@@ -171,7 +171,8 @@ def compile_offline(config: KernelConfig, arch: str) -> CompileReport:
         nvrtc.addNameExpression(program, name)
         error = ""
         try:
-            nvrtc.compileProgram(program, [f"-arch={arch}", "--ptxas-options=-v", *_NVRTC_OPTIONS])
+            nvrtc.compileProgram(program, [f"-arch={arch}", "--ptxas-options=-v", *_NVRTC_OPTIONS,
+                                           *config.compile_options()])
         except nvrtc.NVRTCError:
             error = "compile error"
         log = nvrtc.getProgramLog(program)

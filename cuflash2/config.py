@@ -3,18 +3,25 @@
 A frozen :class:`KernelConfig` is at once the template arguments of one kernel instantiation, the
 key of the compile cache and the id of its tests. Head dims are served by buckets (multiples of 32
 up to 256): a head dim of 40 runs the 64-wide kernel with the columns past 40 zero-filled on load
-and never stored, so 8 buckets cover every supported head dim.
+and never stored, so 8 buckets cover every head dim from 1 to 256.
+
+Global memory is accessed in pieces of a per-call vector width (vector_width: 16 bytes where the
+call's pointers, strides and head dim allow it, else 8, 4 or 2), a compile-time constant of the
+kernel (KernelConfig.vec): any head dim and any 2-byte aligned layout run without a padding copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 MAX_HEAD_DIM = 256
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = ("bf16", "fp16")
+#: Bytes per global access the kernels can be compiled for (KernelConfig.vec), widest first.
+VECTOR_WIDTHS = (16, 8, 4, 2)
 
 #: Largest dynamic shared memory one block may use, in bytes, per compute capability.
 SMEM_LIMIT_BYTES = {
@@ -61,6 +68,10 @@ class KernelConfig:
     causal: bool = False
     flags: tuple[bool, ...] = ()
     variant: bool = False
+    # Bytes per global load/store of the call's tensors (vector_width); below 16 the kernel is built
+    # with narrower pieces (kVecBytes in kernels_cu/ptx.cuh, set by compile_options). Not a template
+    # argument: the 16-byte kernels keep their names and code.
+    vec: int = 16
 
     @property
     def threads(self) -> int:
@@ -129,7 +140,13 @@ class KernelConfig:
         names = ("f32",) if self.kernel == BWD_FUSED else ("dv", "dk", "dq", "f32")
         if any(self.flags):
             parts.append("".join(name for name, on in zip(names, self.flags) if on))
+        if self.vec != 16:
+            parts.append(f"v{self.vec}")
         return "-".join(parts)
+
+    def compile_options(self) -> tuple[str, ...]:
+        """NVRTC options beyond the common ones: the vector width where it is not 16 bytes."""
+        return () if self.vec == 16 else (f"-DCF_VEC_BYTES={self.vec}",)
 
     @property
     def accumulates_dq(self) -> bool:
@@ -143,7 +160,7 @@ class KernelConfig:
         head dims that are multiples of 32, and not in the fused kernel (it pads its rows instead:
         dq_row_pad_floats); 0 means no permutation."""
         swizzles = self.accumulates_dq and self.kernel != BWD_FUSED  # the fused kernel pads rows instead
-        return 24 if swizzles and head_dim % 32 == 0 else 0
+        return 24 if swizzles and fp32_cols(head_dim) % 32 == 0 else 0
 
     @property
     def dq_row_pad_floats(self) -> int:
@@ -199,12 +216,52 @@ class KernelConfig:
     def dq_row_pitch(self, head_dim: int) -> int:
         """Floats per row of the fp32 dQ accumulator this kernel fills for a call with `head_dim`
         (rows are copied byte for byte from its shared-memory staging): padded rows span the
-        kernel's width (a compile-time pitch), the others the call's head dim."""
-        return self.head_dim + self.dq_row_pad_floats if self.dq_row_pad_floats else head_dim
+        kernel's width (a compile-time pitch), the others the call's head dim rounded up to 8
+        (fp32_cols)."""
+        return self.head_dim + self.dq_row_pad_floats if self.dq_row_pad_floats else fp32_cols(head_dim)
 
     @property
     def source_file(self) -> str:
         return SOURCE_FILE[self.kernel]
+
+
+def fp32_cols(head_dim: int) -> int:
+    """Columns per row of the kernels' fp32 scratch (dQ/dK/dV accumulators, split-KV partials): the
+    head dim rounded up to a multiple of 8, so that scratch rows stay 16-byte aligned for any head
+    dim (fp32_cols in kernels_cu/ptx.cuh; the same as the head dim where the vector width is 16)."""
+    return -(-head_dim // 8) * 8
+
+
+def vector_width(head_dim: int, itemsize: int = 2, byte_offsets=()) -> int:
+    """Bytes per global access of a call: the largest of VECTOR_WIDTHS dividing head_dim * itemsize
+    and every one of `byte_offsets` (the base pointer of each tensor the kernels read or write and
+    each of its batch/row/head strides in bytes, leaving out those of size-1 dims, which are never
+    applied). Dividing the row's bytes too, a piece is never split by the end of the head dim: it
+    is copied whole or zero-filled whole. Zero offsets (broadcast or unused strides) allow any width."""
+    common = head_dim * itemsize
+    for offset in byte_offsets:
+        common = math.gcd(common, int(offset))
+    for width in VECTOR_WIDTHS:
+        if common % width == 0:
+            return width
+    raise ValueError(f"data: expected pointers and strides aligned to {VECTOR_WIDTHS[-1]} bytes (whole 16-bit "
+                     f"elements), got a common alignment of {common} bytes")
+
+
+def with_vector_width(config: KernelConfig, vec: int) -> KernelConfig:
+    """`config` built for vector width `vec` (the element-wise rotary/append copy takes no width).
+    Forward tiles with 32 query rows per warp at head dims >= 96 hold 240-255 registers at width 16;
+    the narrow copies' extra addresses and predicates (registers, at width 2) make them spill, so
+    below 16 bytes they run with twice the warps, 16 rows each (the same shared memory or less);
+    at head dims >= 224 also with 32-key blocks, as the variant tiles (64 spill at width 2)."""
+    if vec == config.vec or config.kernel == ROTARY_COPY:
+        return config
+    if vec < 16 and config.kernel in (FWD, FWD_KVCACHE) and config.head_dim >= 96:
+        if config.block_m // (16 * config.warps) >= 2:
+            config = dataclasses.replace(config, warps=config.warps * 2)
+        if config.head_dim >= 224 and config.block_n > 32:
+            config = dataclasses.replace(config, block_n=32)
+    return dataclasses.replace(config, vec=vec)
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -412,15 +469,33 @@ def kvcache_helper_configs(dtype: str) -> tuple[KernelConfig, KernelConfig]:
     return KernelConfig(ROTARY_COPY, dtype, warps=8), KernelConfig(FWD_COMBINE, dtype, warps=8)
 
 
+def _kvcache_configs_of(arch: int, bucket: int, dtype: str) -> list[KernelConfig]:
+    return [kvcache_config(bucket, dtype, causal, arch, r) for causal in (False, True)
+            for r in _kvcache_configs_of_rows(bucket)] + list(kvcache_helper_configs(dtype))
+
+
 def all_kvcache_configs(arch: int) -> list[KernelConfig]:
-    """Every KV-cache instantiation (flash_attn_with_kvcache, and the paged varlen forward, whose
-    paged_varlen_config tiles are among the 32- and 64-row ones listed here)."""
-    rows_of = {bucket: (64,) + ((KVCACHE_SHORT_ROWS,) if bucket in _KVCACHE_SHORT_TILES else ()) +
-               ((DECODE_ROWS,) if bucket in _DECODE_TILES else ()) for bucket in HEAD_DIM_BUCKETS}
+    """Every KV-cache instantiation at width 16 (narrow widths: all_narrow_configs), the paged
+    varlen forward's among them (paged_varlen_config takes the 32- and 64-row tiles listed here)."""
     configs = [kvcache_config(bucket, dtype, causal, arch, rows)
                for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)
-               for rows in rows_of[bucket]]
-    return configs + [c for dtype in DTYPES for c in kvcache_helper_configs(dtype)]
+               for rows in _kvcache_configs_of_rows(bucket)]
+    configs += [c for dtype in DTYPES for c in kvcache_helper_configs(dtype)]
+    return list(dict.fromkeys(configs))
+
+
+def all_narrow_configs(arch: int) -> list[KernelConfig]:
+    """The narrow vector widths' instantiations the compile test covers (NARROW_SAMPLES): forward,
+    backward and KV-cache kernels of the sampled buckets and widths."""
+    configs = []
+    for configs_of in (_forward_configs_of, _backward_configs_of, _kvcache_configs_of):
+        configs += _narrow_samples(functools.partial(configs_of, arch))
+    return list(dict.fromkeys(configs))
+
+
+def _kvcache_configs_of_rows(bucket: int) -> tuple[int, ...]:
+    return (64,) + ((KVCACHE_SHORT_ROWS,) if bucket in _KVCACHE_SHORT_TILES else ()) + \
+        ((DECODE_ROWS,) if bucket in _DECODE_TILES else ())
 
 
 # ---- backward -----------------------------------------------------------------------------------
@@ -595,27 +670,58 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
 
 # ---- everything ---------------------------------------------------------------------------------
 
+# Narrow vector widths: which of them the enumerators below (and so the compile test) cover. Every
+# bucket can meet every width its head dims allow (a head dim's own width, or narrower for views
+# and odd offsets), but the widths change only the global <-> shared copies and the epilogue stores,
+# not the MMA loops, so the full cross product (four times the instantiations, and the compile
+# test's time) would mostly repeat itself. Covered instead: the (bucket, width) pairs of contiguous
+# calls at representative head dims, fp16 only (bf16 differs in conversions only), every plan and
+# tile of each: 2 bytes, the widest change (loads through registers), at the buckets of d=59 (4
+# warps), d=111 (the register-tight 4-warp forward and the fused backward's 255 registers) and d=255
+# (8 warps, the split backward); 4 bytes at d=90's bucket; 8 bytes at d=100's.
+NARROW_SAMPLES = ((64, 2), (96, 4), (128, 8), (128, 2), (256, 2))  # (bucket, vector width)
+NARROW_SAMPLE_DTYPE = "fp16"
+
+
+def possible_vector_widths(head_dim: int) -> tuple[int, ...]:
+    """The widths a call with this head dim can take (those dividing head_dim * 2), widest first."""
+    return tuple(w for w in VECTOR_WIDTHS if head_dim * 2 % w == 0)
+
+
+def _narrow_samples(configs_of) -> list[KernelConfig]:
+    """configs_of(bucket, dtype) at the NARROW_SAMPLES widths."""
+    return [with_vector_width(c, vec) for bucket, vec in NARROW_SAMPLES
+            for c in configs_of(bucket, NARROW_SAMPLE_DTYPE)]
+
+
+def _forward_configs_of(arch: int, bucket: int, dtype: str) -> list[KernelConfig]:
+    return [forward_config(bucket, dtype, causal, arch, variant, seqlen)
+            for variant in (False, True) for causal in (False, True) for seqlen in FWD_SEQLEN_CLASSES]
+
+
 def all_forward_configs(arch: int) -> list[KernelConfig]:
-    """Every forward instantiation the library can launch on `arch`."""
-    configs = [forward_config(bucket, dtype, causal, arch, variant, seqlen)
-               for variant in (False, True) for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for causal in (False, True)
-               for seqlen in FWD_SEQLEN_CLASSES]
+    """Every forward instantiation the library can launch on `arch` at width 16 (narrow widths:
+    all_narrow_configs)."""
+    configs = [c for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for c in _forward_configs_of(arch, bucket, dtype)]
     return list(dict.fromkeys(configs))
 
 
 def all_backward_configs(arch: int) -> list[KernelConfig]:
     """Every backward instantiation (all plans: deterministic or not, MHA or GQA, plain or variant;
     the variant kernels serve only the default dQ-kernel plan)."""
+    configs = [c for bucket in HEAD_DIM_BUCKETS for dtype in DTYPES for c in _backward_configs_of(arch, bucket, dtype)]
+    return list(dict.fromkeys(configs))
+
+
+def _backward_configs_of(arch: int, bucket: int, dtype: str) -> list[KernelConfig]:
     configs: dict[KernelConfig, None] = {}
-    for bucket in HEAD_DIM_BUCKETS:
-        for dtype in DTYPES:
-            for causal in (False, True):
-                for options in backward_plan_options(arch):
-                    for gqa in (False, True):
-                        if options.get("fused") and not fused_backward_supported(bucket, arch, causal=causal, gqa=gqa):
-                            continue
-                        for config in backward_plan(bucket, dtype, causal, arch, gqa=gqa, **options).kernels():
-                            configs[config] = None
+    for causal in (False, True):
+        for options in backward_plan_options(arch):
+            for gqa in (False, True):
+                if options.get("fused") and not fused_backward_supported(bucket, arch, causal=causal, gqa=gqa):
+                    continue
+                for config in backward_plan(bucket, dtype, causal, arch, gqa=gqa, **options).kernels():
+                    configs[config] = None
     return list(configs)
 
 
@@ -631,4 +737,4 @@ def tuning_backward_configs(arch: int) -> list[KernelConfig]:
 
 
 def all_configs(arch: int) -> list[KernelConfig]:
-    return all_forward_configs(arch) + all_backward_configs(arch) + all_kvcache_configs(arch)
+    return all_forward_configs(arch) + all_backward_configs(arch) + all_kvcache_configs(arch) + all_narrow_configs(arch)

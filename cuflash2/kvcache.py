@@ -26,7 +26,8 @@ import numpy as np
 
 from . import interop, kvcache_step, launch, reference
 from .api import numpy_alibi
-from .config import FWD_DECODE, KernelConfig, kvcache_config, kvcache_helper_configs, paged_varlen_config
+from .config import (FWD_DECODE, KernelConfig, fp32_cols, kvcache_config, kvcache_helper_configs, paged_varlen_config,
+                     with_vector_width)
 from .features import Features, as_batched, check_alibi, check_softcap, check_window
 from .validate import (
     AttentionShape,
@@ -295,7 +296,7 @@ class _Launch:
         args = list(self.args)
         for index, name in self.pointer_slots:
             args[index] = np.uint64(pointers[name])
-        launch._launch(self.config, call.device_id, call.stream, self.grid, args)
+        launch.launch_kernel(self.config, call.device_id, call.stream, self.grid, args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,11 +324,15 @@ def _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                                    cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
     if softmax_scale is not None and type(softmax_scale) is not float:
         softmax_scale = softmax_scale_or_default(softmax_scale, 1)  # a hashable float (or a clear error)
+    # The plan's vector width depends on the alignment of the attention kernel's pointers (up to 16
+    # bytes) as well as on the strides: both are part of the key.
+    aligns = tuple(infos[name].data_ptr & 15 for name in ("q", "k_cache", "v_cache"))
     key = (call.device_id, tuple(None if i is None else (i.shape, i.strides, i.dtype, i.device) for i in infos.values()),
-           softmax_scale, causal, window, softcap, interleaved, num_splits)
+           softmax_scale, causal, window, softcap, interleaved, num_splits, aligns)
     plan = _plans.get(key)
     if plan is None:
-        plan = _make_plan(call.device_id, infos, softmax_scale, causal, window, softcap, interleaved, num_splits)
+        plan = _make_plan(call.device_id, infos, softmax_scale, causal, window, softcap, interleaved, num_splits,
+                          aligns)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
@@ -345,10 +350,11 @@ def _kvcache_gpu(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         keep.append(q_rot)
         pointers["q_rot"] = q_rot_i.data_ptr
     if plan.partial_rows:  # one fp32 scratch: partial outputs, then their LSEs
-        partial = cp.empty(plan.partial_rows * (cache.head_dim + 1), dtype=np.float32)
+        cols = fp32_cols(cache.head_dim)  # partial rows padded to 8 columns (the kernels' fp32_cols)
+        partial = cp.empty(plan.partial_rows * (cols + 1), dtype=np.float32)
         keep.append(partial)
         pointers["o_partial"] = partial.data.ptr
-        pointers["lse_partial"] = partial.data.ptr + plan.partial_rows * cache.head_dim * 4
+        pointers["lse_partial"] = partial.data.ptr + plan.partial_rows * cols * 4
     for step in plan.launches:
         step.run(call, pointers)
     step_key, arrays = fast_step
@@ -397,8 +403,10 @@ def _describe_inputs(call, cp, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin
     return infos, keep
 
 
-def _make_plan(device_id: int, infos: dict, softmax_scale, causal, window, softcap, interleaved, num_splits) -> _Plan:
-    """Validate a call signature and lay out its launches (pointers symbolic)."""
+def _make_plan(device_id: int, infos: dict, softmax_scale, causal, window, softcap, interleaved, num_splits,
+               aligns: tuple[int, ...] = (0, 0, 0)) -> _Plan:
+    """Validate a call signature and lay out its launches (pointers symbolic; `aligns`: the real
+    addresses of q, k_cache and v_cache modulo 16, for the vector width)."""
     sym = {name: _symbolic(name, info) for name, info in infos.items()}
     cache = validate_kvcache(sym["q"], sym["k_cache"], sym["v_cache"], sym["k"], sym["v"], sym["rotary_cos"],
                              sym["rotary_sin"], sym["cache_seqlens"], sym["cache_batch_idx"], sym["cache_leftpad"],
@@ -425,7 +433,12 @@ def _make_plan(device_id: int, infos: dict, softmax_scale, causal, window, softc
         launches += _rotary_copy(rotary, sym["q"], q_used, cache, dict(sym, cache_batch_idx=None, block_table=None),
                                  to_cache=False, rotate=True, interleaved=interleaved, positions_per_row=per_row)
     lse = _contiguous("lse", (cache.batch, cache.nheads, cache.seqlen_q), "float32", 4)
-    attention, partial_rows = _attention(device_id, q_used, out, lse, cache, sym, causal, features, num_splits, combine)
+    # The attention kernel and the combine read/write q (or its rotated copy), the caches and out.
+    offsets = dict(zip(("q", "k_cache", "v_cache"), aligns))
+    vec = launch.call_vector_width(shape.head_dim, *(dataclasses.replace(sym[name], data_ptr=offsets[name])
+                                                     for name in ("q", "k_cache", "v_cache")), q_used, out)
+    attention, partial_rows = _attention(device_id, q_used, out, lse, cache, sym, causal, features, num_splits,
+                                         with_vector_width(combine, vec), vec)
     return _Plan(cache, tuple(launches + attention), rotate_q, partial_rows)
 
 
@@ -482,11 +495,12 @@ def _decode_swap(q: TensorInfo, out: TensorInfo, shape: AttentionShape, cache: _
 
 
 def _attention(device_id, q, out, lse, cache: _Cache, sym: dict, causal, features, num_splits,
-               combine) -> tuple[list[_Launch], int]:
+               combine, vec: int = 16) -> tuple[list[_Launch], int]:
     """The attention launch (and the split-KV combine): (launches, partial result rows)."""
     q, out, shape, causal = _decode_swap(q, out, cache.shape, cache, causal, features)
     arch = launch.device_arch(device_id)
     config = kvcache_config(shape.head_dim, launch.SHORT_DTYPE[shape.dtype], causal, arch, shape.seqlen_q)
+    config = with_vector_width(config, vec)
     m_blocks = math.ceil(shape.seqlen_q / config.block_m)
     if num_splits == 0:
         slots = split_slots_per_sm(config) * _sm_count(device_id)
@@ -540,6 +554,7 @@ def paged_varlen_forward(call, q: TensorInfo, k_cache: TensorInfo, v_cache: Tens
         return
     config = paged_varlen_config(shape.head_dim, launch.SHORT_DTYPE[shape.dtype], causal,
                                  launch.device_arch(call.device_id), shape.seqlen_q)
+    config = with_vector_width(config, launch.call_vector_width(shape.head_dim, q, k_cache, v_cache, out))
     max_pages = block_table.shape[1]
     cache = _Cache(shape.batch, shape.seqlen_q, shape.nheads, shape.nheads_kv, shape.head_dim, 0,
                    page_size * max_pages, k_cache.shape[0], page_size, 0, shape)
@@ -547,7 +562,7 @@ def paged_varlen_forward(call, q: TensorInfo, k_cache: TensorInfo, v_cache: Tens
                            as_batched(out, shape.batch, shape.seqlen_q), lse, shape, features.total_q, cache, causal,
                            features, None, None, None, block_table, 1, None, None)
     grid = (math.ceil(shape.seqlen_q / config.block_m), shape.nheads, shape.batch)
-    launch._launch(config, call.device_id, call.stream, grid, args)
+    launch.launch_kernel(config, call.device_id, call.stream, grid, args)
 
 
 # ---- NumPy (CPU reference of the same semantics) ------------------------------------------------

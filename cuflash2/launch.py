@@ -14,7 +14,8 @@ import numpy as np
 
 from . import packed_launch
 from .compiler import get_kernel
-from .config import MAX_GRID_YZ, KernelConfig, backward_plan, forward_config
+from .config import (MAX_GRID_YZ, BackwardPlan, KernelConfig, backward_plan, forward_config, fp32_cols, vector_width,
+                     with_vector_width)
 from .features import PLAIN, Features
 from .validate import AttentionShape, TensorInfo, check_compute_capability
 
@@ -30,6 +31,18 @@ def device_arch(device_id: int) -> int:
 
     cc = cp.cuda.Device(device_id).compute_capability
     return check_compute_capability(int(cc[:-1]), int(cc[-1]))
+
+
+def call_vector_width(head_dim: int, *tensors: TensorInfo | None) -> int:
+    """Bytes per global access the kernels of a call can use (config.vector_width) over the 16-bit
+    tensors they read or write: base pointers and the strides of every dim but the last (stride 1)
+    that has more than one entry."""
+    offsets = []
+    for t in tensors:
+        if t is not None:
+            offsets.append(t.data_ptr)
+            offsets += [s * t.itemsize for s, n in zip(t.strides[:-1], t.shape) if n > 1]
+    return vector_width(head_dim, 2, offsets)
 
 
 def _strides3(t: TensorInfo):
@@ -57,7 +70,7 @@ def record(recorder, run) -> None:
         _recording.recorder = previous
 
 
-def _launch(config: KernelConfig, device_id: int, stream, grid, args) -> None:
+def launch_kernel(config: KernelConfig, device_id: int, stream, grid, args) -> None:
     if _recording.recorder is not None:
         _recording.recorder.launch(config, grid, args)
         return
@@ -102,11 +115,12 @@ def forward(q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: T
     if config is None:
         config = forward_config(shape.head_dim, SHORT_DTYPE[shape.dtype], causal, device_arch(device_id),
                                 not features.is_plain(causal), max(shape.seqlen_q, shape.seqlen_k))
+    config = with_vector_width(config, call_vector_width(shape.head_dim, q, k, v, out))
     m_blocks = math.ceil(shape.seqlen_q / config.block_m)
     if config.grouped_grid and m_blocks > MAX_GRID_YZ:  # grouped grids hold the query blocks in grid y
         raise ValueError(f"q: the causal forward handles at most {MAX_GRID_YZ * config.block_m} query rows per "
                          f"sequence with head dim {shape.head_dim}, got {shape.seqlen_q}")
-    _launch(config, device_id, stream, _main_grid(config, device_id, m_blocks, shape.nheads, shape.batch),
+    launch_kernel(config, device_id, stream, _main_grid(config, device_id, m_blocks, shape.nheads, shape.batch),
             (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(out.data_ptr), _ptr(lse.data_ptr),
              *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
              *_seqlen_args(shape, features), _i32(shape.head_dim), _i32(shape.kv_group),
@@ -145,6 +159,10 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
                              f"got seqlen_k {shape.seqlen_k}")
         plan = backward_plan(d, SHORT_DTYPE[shape.dtype], causal, arch or device_arch(device_id), deterministic,
                              gqa, split, atomic_dq, variant, tile, fused=False)
+    vec = call_vector_width(d, dout, q, k, v, out, dq, dk, dv)
+    if vec != 16:
+        plan = BackwardPlan(with_vector_width(plan.dot, vec), tuple(with_vector_width(c, vec) for c in plan.main),
+                            plan.dq and with_vector_width(plan.dq, vec), with_vector_width(plan.convert, vec))
     # Row-wise buffers (D, fp32 accumulators) cover (b, seqlen) rows, or the packed rows when varlen.
     if features.varlen:
         b, sq, sk = 1, features.total_q, features.total_k
@@ -154,7 +172,7 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
 
     delta, delta_i = _scratch(cp, (b, h, sq))
     keep.append(delta)
-    _launch(plan.dot, device_id, stream, (math.ceil(h * sq * 8 / _ELEMENTWISE_THREADS), b),
+    launch_kernel(plan.dot, device_id, stream, (math.ceil(h * sq * 8 / _ELEMENTWISE_THREADS), b),
             (_ptr(dout.data_ptr), _ptr(out.data_ptr), _ptr(delta_i.data_ptr), *_strides3(dout), *_strides3(out),
              _i32(sq), _i32(h), _i32(d)))
 
@@ -170,7 +188,8 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
         # Varlen: packed rows outside every sequence are never written by the main kernel, but the
         # conversion reads all of them, so the scratch starts at zero there.
         zero = features.varlen
-        (dk_acc, dk_t), (dv_acc, dv_t) = _scratch(cp, (b, sk, h, d), zero=zero), _scratch(cp, (b, sk, h, d), zero=zero)
+        acc_shape = (b, sk, h, fp32_cols(d))  # rows padded to 8 columns (the kernels' fp32_cols)
+        (dk_acc, dk_t), (dv_acc, dv_t) = _scratch(cp, acc_shape, zero=zero), _scratch(cp, acc_shape, zero=zero)
         keep += [dk_acc, dv_acc]
         dk_strides = dv_strides = [_i64(0)] * 3  # the kernel knows the contiguous fp32 layout
     else:
@@ -179,13 +198,13 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
     tail = (*_seqlen_args(shape, features), _i32(d), _i32(shape.kv_group), *features.kernel_args(causal, scale))
     for config in plan.main:
         grid = _main_grid(config, device_id, math.ceil(shape.seqlen_k / config.block_n), h, shape.batch)
-        _launch(config, device_id, stream, grid,
+        launch_kernel(config, device_id, stream, grid,
                 (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(dout.data_ptr), _ptr(lse.data_ptr),
                  _ptr(delta_i.data_ptr), _ptr(dq_acc_ptr), _ptr(dk_t.data_ptr), _ptr(dv_t.data_ptr),
                  *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *dk_strides, *dv_strides, *tail,
                  _i32(h)))
     if plan.dq is not None:
-        _launch(plan.dq, device_id, stream, (math.ceil(shape.seqlen_q / plan.dq.block_m), h, shape.batch),
+        launch_kernel(plan.dq, device_id, stream, (math.ceil(shape.seqlen_q / plan.dq.block_m), h, shape.batch),
                 (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(dout.data_ptr), _ptr(lse.data_ptr),
                  _ptr(delta_i.data_ptr), _ptr(dq.data_ptr), *_strides3(q), *_strides3(k), *_strides3(v),
                  *_strides3(dout), *_strides3(dq), *tail))
@@ -201,14 +220,14 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
 def _convert(config, device_id, stream, acc: TensorInfo, out: TensorInfo, batch, seqlen, nheads, head_dim, group,
              scale, heads_major=False, col_swizzle=0, row_interleave=False):
     """out <- scale * acc summed over each group of `group` heads; acc is (b, s, h, d), or
-    (b, h, s_padded, pitch) when heads_major (KernelConfig.dq_row_pitch; columns past d are not read); its
+    (b, h, s_padded, pitch) when heads_major (KernelConfig.dq_row_pitch; columns past d are not stored); its
     columns permuted by `col_swizzle` (KernelConfig.dq_column_swizzle), its rows by `row_interleave`
     (KernelConfig.dq_row_interleave; s_padded is a multiple of 8 then)."""
     batch_stride, row_stride, head_stride = acc.strides[:3]
     if heads_major:
         row_stride, head_stride = head_stride, row_stride
-    rows_per_block = config.threads // (head_dim // 4)  # one thread per 4 columns (flash_bwd_prepost.cu)
-    _launch(config, device_id, stream, (math.ceil(seqlen / rows_per_block), nheads, batch),
+    rows_per_block = config.threads // (fp32_cols(head_dim) // 4)  # one thread per 4 columns (flash_bwd_prepost.cu)
+    launch_kernel(config, device_id, stream, (math.ceil(seqlen / rows_per_block), nheads, batch),
             (_ptr(acc.data_ptr), _ptr(out.data_ptr), _i64(batch_stride), _i64(row_stride), _i64(head_stride),
              *_strides3(out), _i32(seqlen), _i32(nheads), _i32(head_dim), _i32(group), _f32(scale),
              _i32(col_swizzle), _i32(int(row_interleave))))

@@ -109,15 +109,11 @@ def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
 
 
 def _kernel_ready(grad: Tensor) -> Tensor:
-    """The incoming gradient as the kernels read it (unit last stride, 16-byte aligned base and rows).
-    Autograd hands over whatever layout the next op produced (a view at an odd offset, an expanded
-    one from out.sum()), and the caller has no say in it: copy instead of the alignment error that
-    an explicit flash_attn_backward call gets."""
-    per_chunk = 16 // grad.element_size()
-    strides_ok = grad.stride(-1) == 1 and all(
-        stride % per_chunk == 0 for size, stride in zip(grad.shape[:-1], grad.stride()[:-1]) if size > 1)
-    # clone, not contiguous(): a dense view at an odd offset counts as contiguous already
-    return grad if strides_ok and grad.data_ptr() % 16 == 0 else grad.clone(memory_format=torch.contiguous_format)
+    """The incoming gradient as the kernels read it: a unit last stride. Autograd hands over whatever
+    layout the next op produced (an expanded one from out.sum(), with last stride 0), and the caller
+    has no say in it: copy then. Any other alignment of base and rows is read as it is (the kernels
+    take narrower accesses: config.vector_width)."""
+    return grad if grad.stride(-1) == 1 else grad.clone(memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):

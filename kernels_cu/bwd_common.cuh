@@ -20,7 +20,8 @@
 
 // Rows (row0 + mt * 16 + lane / 4 (+8)) x columns (col0 + 8 * chunk(nt) + 2 * (lane % 4)) of a kMT x
 // kTiles block of MMA accumulator fragments, scaled, stored as T (16-bit, with row stride) or as fp32
-// (GQA: a contiguous (batch, seqlen_k, nheads, head_dim) buffer summed over each group later).
+// (GQA: a contiguous (batch, seqlen_k, nheads, fp32_cols(head_dim)) buffer summed over each group
+// later; its rows are padded to whole pairs, so the fp32 pairs need no check of col + 1).
 // chunk(nt): tile pairs kPairStride chunks apart (2: adjacent tiles; see ColumnShare). Rows past
 // valid_rows and columns past head_dim are not stored.
 template <class T, bool kFloatOut, int kPairStride = 2, int kMT, int kTiles>
@@ -40,7 +41,8 @@ CF_DEVICE void store_fragment_rows(const float (&acc)[kMT][kTiles][4], void* out
                 if (kFloatOut) {
                     *reinterpret_cast<float2*>(static_cast<float*>(out) + row * row_stride + col) = make_float2(x, y);
                 } else {
-                    *reinterpret_cast<u32*>(static_cast<u16*>(out) + row * row_stride + col) = T::pack(x, y);
+                    const u32 packed = T::pack(x, y);  // (before the address, as the plain store evaluates it)
+                    store_pair_global(static_cast<u16*>(out) + row * row_stride + col, packed, col, head_dim);
                 }
             }
         }

@@ -62,7 +62,7 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
     const u32 k_smem = smem_addr(smem), v_smem = k_smem + Tr::KTile::kBytes;
     const u32 stage0 = v_smem + Tr::KTile::kBytes;
     const u32 ds_smem = stage0 + kStages * Tr::kQStageBytes;
-    const typename Tr::DqStage dq_stage{ds_smem + Tr::DsTile::kBytes, head_dim * 4};
+    const typename Tr::DqStage dq_stage{ds_smem + Tr::DsTile::kBytes, fp32_cols(head_dim) * 4};
     const float* stage_floats = reinterpret_cast<const float*>(smem + 2 * Tr::KTile::kBytes + 2 * Tr::QTile::kBytes);
 
     const u16* q_head = q + batch * q_batch_stride + head * q_head_stride + (i64)seq.q_start * q_row_stride;
@@ -222,10 +222,10 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
                         dq_stage.store_fragment(dq_buf, row_tile * 16 + lane / 4,
                                                 col_group * Tr::kDqCols + c0 + ct * 8 + (lane % 4) * 2, acc_dq[0][ct]);
                 }
-                // dq_accum: (batch, head, seqlen_q rounded up to kBlockM, head_dim) fp32.
+                // dq_accum: (batch, head, seqlen_q rounded up to kBlockM, fp32_cols(head_dim)) fp32.
                 const i64 dq_rows = (i64)(seq.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
-                dq_stage.flush(dq_buf, dq_accum + (((i64)batch * gridDim.y + head) * dq_rows + m_block * kBlockM) * head_dim,
-                               tid);
+                dq_stage.flush(dq_buf, dq_accum + (((i64)batch * gridDim.y + head) * dq_rows + m_block * kBlockM) *
+                                                      fp32_cols(head_dim), tid);
             }
         }
     }
@@ -235,8 +235,8 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
     const int row0 = key0 + warp * 16;
     const float dv_scale = kVariant && drop.active() ? va.dropout_rescale : 1.f;
     if (kFloatDkv) {
-        const i64 rs = (i64)gridDim.y * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
-        const i64 base = (seq.k_flat * gridDim.y + head) * head_dim;
+        const i64 rs = (i64)gridDim.y * fp32_cols(head_dim);  // contiguous (batch, seqlen_k, nheads, fp32_cols)
+        const i64 base = (seq.k_flat * gridDim.y + head) * fp32_cols(head_dim);
         if (kDk) store_fragment_rows<T, true>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seq.seqlen_k, 0, head_dim, softmax_scale, lane);
         if (kDv) store_fragment_rows<T, true>(acc_dv, static_cast<float*>(dv) + base, rs, row0, seq.seqlen_k, 0, head_dim, dv_scale, lane);
     } else {

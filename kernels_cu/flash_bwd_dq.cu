@@ -133,9 +133,10 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 #pragma unroll
         for (int dt = 0; dt < Tr::kDTiles; ++dt) {
             const int col = dt * 8 + (lane % 4) * 2;
-            if (col < head_dim)
-                *reinterpret_cast<u32*>(dst + col) =
-                    T::pack(acc_dq[0][dt][2 * r] * softmax_scale, acc_dq[0][dt][2 * r + 1] * softmax_scale);
+            if (col < head_dim) {
+                const u32 packed = T::pack(acc_dq[0][dt][2 * r] * softmax_scale, acc_dq[0][dt][2 * r + 1] * softmax_scale);
+                store_pair_global(dst + col, packed, col, head_dim);
+            }
         }
     }
 }

@@ -364,8 +364,8 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     const int row0 = key0_e + warp_row0;
     const int col_share = warp_e / Tr::kKeyGroups;
     if (kFloatDkv) {
-        const i64 rs = (i64)Grid::heads(nheads) * head_dim;  // contiguous (batch, seqlen_k, nheads, head_dim)
-        const i64 base = (((i64)batch_e * seqlen_k) * Grid::heads(nheads) + head_e) * head_dim;
+        const i64 rs = (i64)Grid::heads(nheads) * fp32_cols(head_dim);  // contiguous (batch, seqlen_k, nheads, fp32_cols)
+        const i64 base = (((i64)batch_e * seqlen_k) * Grid::heads(nheads) + head_e) * fp32_cols(head_dim);
         const int col0 = Tr::DkvCols::chunk(col_share, 0) * 8;
         constexpr int kStride = Tr::DkvCols::kPairStride;
         store_fragment_rows<T, true, kStride>(acc_dk, static_cast<float*>(dk) + base, rs, row0, seqlen_k, col0, head_dim,

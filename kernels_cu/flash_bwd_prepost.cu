@@ -2,8 +2,10 @@
 // gradient accumulators (scaling dQ, summing dK/dV over the query heads of a GQA group).
 #include "ptx.cuh"
 #include "dq_staging.cuh"
+#include "smem_tile.cuh"
 
-// D[b, h, i] = sum_c dO[b, i, h, c] * O[b, i, h, c] in fp32. 8 lanes per row, 16-byte loads.
+// D[b, h, i] = sum_c dO[b, i, h, c] * O[b, i, h, c] in fp32. 8 lanes per row, 16-byte loads
+// (kVecBytes-wide pieces of each 8-column chunk where rows are less aligned; zeros past head_dim).
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(256)
 flash_bwd_dot_do_o_kernel(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ delta,
@@ -21,8 +23,8 @@ flash_bwd_dot_do_o_kernel(const u16* __restrict__ dout, const u16* __restrict__ 
     float acc = 0.f;
     if (active) {
         for (int c = lane8 * 8; c < head_dim; c += 64) {
-            Chunk16 a = *reinterpret_cast<const Chunk16*>(dop + c);
-            Chunk16 b = *reinterpret_cast<const Chunk16*>(op + c);
+            Chunk16 a = load_chunk_global(dop + c, c, head_dim);
+            Chunk16 b = load_chunk_global(op + c, c, head_dim);
             const u16* ah = reinterpret_cast<const u16*>(&a);
             const u16* bh = reinterpret_cast<const u16*>(&b);
 #pragma unroll
@@ -39,8 +41,9 @@ flash_bwd_dot_do_o_kernel(const u16* __restrict__ dout, const u16* __restrict__ 
 // the given strides (elements; dQ: (b, h, s, c), GQA dK/dV: (b, s, h * group, c)). A dQ accumulator
 // may hold its columns and rows permuted (col_swizzle, row_interleave: dq_staging.cuh); the row
 // permutation needs the accumulator's rows padded to a multiple of 8.
-// One thread per 4 columns of a row (16-byte loads, 8-byte stores: head_dim is a multiple of 8,
-// the accumulator's strides multiples of 4 floats and the output's of 8 elements); a block covers blockDim.x / (head_dim / 4) rows of one
+// One thread per 4 columns of a row (16-byte loads, 8-byte stores: the accumulator's rows hold
+// fp32_cols(head_dim) columns, a multiple of 8, its strides multiples of 4 floats; the output takes
+// kVecBytes-wide stores of the columns below head_dim); a block covers blockDim.x / (cols / 4) rows of one
 // head: grid (row blocks, heads, batches), so that no thread divides a 64-bit index. (One thread per
 // column pair with 64-bit index arithmetic was compute-bound, at twice FA2's time: log item 33.)
 template <class T>
@@ -50,7 +53,7 @@ flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
                          i64 out_batch_stride, i64 out_row_stride, i64 out_head_stride,
                          int seqlen, int nheads, int head_dim, int group, float scale, int col_swizzle,
                          int row_interleave) {
-    const int quads = head_dim / 4, rows_per_block = blockDim.x / quads;
+    const int quads = fp32_cols(head_dim) / 4, rows_per_block = blockDim.x / quads;
     const int local_row = threadIdx.x / quads;
     const int row = blockIdx.x * rows_per_block + local_row, head = blockIdx.y, batch = blockIdx.z;
     if (local_row >= rows_per_block || row >= seqlen) return;
@@ -68,5 +71,11 @@ flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,
         sum.w += part.w;
     }
     const uint2 packed = make_uint2(T::pack(sum.x * scale, sum.y * scale), T::pack(sum.z * scale, sum.w * scale));
-    *reinterpret_cast<uint2*>(out + batch * out_batch_stride + row * out_row_stride + head * out_head_stride + c) = packed;
+    u16* dst = out + batch * out_batch_stride + row * out_row_stride + head * out_head_stride + c;
+    if constexpr (kVecBytes == 16) {
+        *reinterpret_cast<uint2*>(dst) = packed;
+    } else {
+        const u32 w[2] = {packed.x, packed.y};
+        store_run_global(dst, w, c, head_dim);
+    }
 }

@@ -137,8 +137,8 @@ CF_DEVICE void store_partial(const float (&acc_o)[Tr::kMTiles][Tr::kDTiles][4], 
 #pragma unroll
             for (int dt = 0; dt < Tr::kDTiles; ++dt) {
                 const int col = dt * 8 + (lane % 4) * 2;
-                if (col < head_dim) {
-                    float* dst = o_rows + (i64)row * head_dim + col;
+                if (col < head_dim) {  // (col + 1 lands in the row's padding for odd head dims: fp32_cols)
+                    float* dst = o_rows + (i64)row * fp32_cols(head_dim) + col;
                     dst[0] = acc_o[mt][dt][2 * r] * inv_sum[mt][r];
                     dst[1] = acc_o[mt][dt][2 * r + 1] * inv_sum[mt][r];
                 }
@@ -346,7 +346,7 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
         if (kKvCache && kc.num_splits > 1) {
             cp_async_wait<0>();
             const i64 rows = (((i64)split * gridDim.z + batch) * gridDim.y + head) * seqlen_q + m_block * kBlockM;
-            store_partial<Tr>(acc_o, inv_sum, row_lse, kc.o_partial + rows * head_dim, kc.lse_partial + rows, warp_row0,
+            store_partial<Tr>(acc_o, inv_sum, row_lse, kc.o_partial + rows * fp32_cols(head_dim), kc.lse_partial + rows, warp_row0,
                               rows_left, head_dim, lane);
             return;
         }
@@ -448,7 +448,7 @@ CF_DEVICE void merge_warps(const float* merge_o, const float* merge_max, const f
         }
         const float row_lse = empty ? CF_INF : (row_max + fast_log2(total)) * kLn2;
         if (o_partial_rows != nullptr) {
-            float* dst = o_partial_rows + (i64)row * head_dim + col;
+            float* dst = o_partial_rows + (i64)row * fp32_cols(head_dim) + col;
             *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
             *reinterpret_cast<float4*>(dst + 4) = make_float4(o[4], o[5], o[6], o[7]);
             if (col == 0) lse_partial_rows[row] = row_lse;
@@ -456,7 +456,12 @@ CF_DEVICE void merge_warps(const float* merge_o, const float* merge_max, const f
             uint4 packed;
             packed.x = T::pack(o[0], o[1]), packed.y = T::pack(o[2], o[3]);
             packed.z = T::pack(o[4], o[5]), packed.w = T::pack(o[6], o[7]);
-            *reinterpret_cast<uint4*>(o_blk + row * o_row_stride + col) = packed;
+            if constexpr (kVecBytes == 16) {
+                *reinterpret_cast<uint4*>(o_blk + row * o_row_stride + col) = packed;
+            } else {
+                const u32 w[4] = {packed.x, packed.y, packed.z, packed.w};
+                store_run_global(o_blk + row * o_row_stride + col, w, col, head_dim);
+            }
             if (col == 0) lse_blk[row] = row_lse;
         }
     }
@@ -585,7 +590,7 @@ flash_fwd_decode_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS, CF_KVCACHE_PARAMS) {
     float *o_partial_rows = nullptr, *lse_partial_rows = nullptr;
     if (kc.num_splits > 1) {  // (split, batch, head, row) rows, as store_partial
         const i64 rows = (((i64)split * gridDim.z + batch) * gridDim.y + head) * seqlen_q + m_block * Tr::kBlockM;
-        o_partial_rows = kc.o_partial + rows * head_dim;
+        o_partial_rows = kc.o_partial + rows * fp32_cols(head_dim);
         lse_partial_rows = kc.lse_partial + rows;
     }
     merge_warps<T, Tr>(merge_o, merge_max, merge_sum, tid, rows_left, head_dim, o_blk, o_row_stride, lse_blk,

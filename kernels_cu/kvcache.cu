@@ -3,6 +3,7 @@
 //                             applying rotary embeddings on the way;
 //   flash_fwd_combine_kernel  split-KV partial results -> the output, weighted by their LSEs.
 #include "ptx.cuh"
+#include "smem_tile.cuh"
 
 // dst[row(b, i), h, c] = rotary(src[b, i, h, :], position(b, i))[c], one thread per element.
 // Rows go to the end of the cache (cache_seqlens[b] + i, through the page table when paged) or to
@@ -109,12 +110,14 @@ flash_fwd_combine_kernel(const float* __restrict__ o_partial, const float* __res
     const int i = (int)(row_id % seqlen_q);
     if (lane == 0) lse[row_id] = row_lse;
     u16* dst = out + b * o_batch_stride + (i64)i * o_row_stride + h * o_head_stride;
-    // Every lane runs every pass (the shuffles need the whole warp); lanes past head_dim idle.
-    for (int c0 = 0; c0 < head_dim; c0 += 128) {  // head_dim is a multiple of 8
+    // Every lane runs every pass (the shuffles need the whole warp); lanes past the columns idle.
+    // The partials' rows hold fp32_cols(head_dim) columns, a multiple of 8 (zeros past head_dim).
+    const int cols = fp32_cols(head_dim);
+    for (int c0 = 0; c0 < cols; c0 += 128) {
         const int c = c0 + 4 * lane;
-        const bool active = c < head_dim;
+        const bool active = c < cols;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        const float* o_col = o_partial + row_id * head_dim + c;
+        const float* o_col = o_partial + row_id * cols + c;
         // Groups of 8 splits: 8 loads in flight before the first is used. Split indices past the
         // last are clamped (a valid address) and carry weight 0.
 #pragma unroll
@@ -124,7 +127,7 @@ flash_fwd_combine_kernel(const float* __restrict__ o_partial, const float* __res
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const i64 s = min(32 * k + j0 + j, num_splits - 1);
-                    o[j] = active ? *reinterpret_cast<const float4*>(o_col + s * split_stride * head_dim)
+                    o[j] = active ? *reinterpret_cast<const float4*>(o_col + s * split_stride * cols)
                                   : make_float4(0.f, 0.f, 0.f, 0.f);
                 }
 #pragma unroll
@@ -138,7 +141,12 @@ flash_fwd_combine_kernel(const float* __restrict__ o_partial, const float* __res
             uint2 packed;
             packed.x = T::pack(acc.x, acc.y);
             packed.y = T::pack(acc.z, acc.w);
-            *reinterpret_cast<uint2*>(dst + c) = packed;
+            if constexpr (kVecBytes == 16) {
+                *reinterpret_cast<uint2*>(dst + c) = packed;
+            } else {
+                const u32 w[2] = {packed.x, packed.y};
+                store_run_global(dst + c, w, c, head_dim);
+            }
         }
     }
 }

@@ -16,6 +16,24 @@ struct alignas(16) Chunk16 {
     u32 x, y, z, w;
 };
 
+// ---- vector width of the call's global accesses ------------------------------------------------
+// Bytes per global load/store of q/k/v/out/dout/dq/dk/dv and the caches: the largest of 16/8/4/2
+// that divides every base pointer, every stride in bytes and head_dim * 2, chosen by the host per
+// call (cuflash2/config.py: vector_width). Each program holds one kernel instantiation, so the width
+// comes as a -D define rather than a template argument: without it the kernels are 16 bytes wide and
+// compile to exactly the code (and symbols) they had before narrower widths existed. Because the
+// width divides head_dim * 2, a piece of kVecBytes never straddles head_dim: it is whole or absent.
+#ifndef CF_VEC_BYTES
+#define CF_VEC_BYTES 16
+#endif
+enum : int { kVecBytes = CF_VEC_BYTES };  // an enumerator: a constexpr variable would be emitted as a PTX global
+static_assert(kVecBytes == 16 || kVecBytes == 8 || kVecBytes == 4 || kVecBytes == 2, "vector width 16/8/4/2 bytes");
+
+// Columns per row of the kernels' own fp32 scratch (dQ/dK/dV accumulators, split-KV partials): the
+// head dim, rounded up to 8 when it may not be a multiple of 8 (vector widths below 16), so that the
+// scratch keeps its 16-byte rows and paired stores stay inside a row (cuflash2/config.py: fp32_cols).
+CF_DEVICE int fp32_cols(int head_dim) { return kVecBytes == 16 ? head_dim : (head_dim + 7) & ~7; }
+
 // Generic pointer -> 32-bit shared-state-space address (what ldmatrix / cp.async expect).
 CF_DEVICE u32 smem_addr(const void* ptr) {
     u32 addr;
@@ -28,6 +46,18 @@ CF_DEVICE u32 smem_addr(const void* ptr) {
 CF_DEVICE void cp_async_16(u32 dst, const void* src, bool valid) {
     int src_bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+// Narrow cp.async for rows that are only 8- or 4-byte aligned (.ca: .cg takes 16 bytes only),
+// zero-filled when `valid` is false (nothing is read then).
+template <int kBytes>
+CF_DEVICE void cp_async_narrow(u32 dst, const void* src, bool valid) {
+    static_assert(kBytes == 8 || kBytes == 4, "cp.async.ca moves 4, 8 or 16 bytes");
+    int src_bytes = valid ? kBytes : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" :: "r"(dst), "l"(src), "n"(kBytes), "r"(src_bytes));
+}
+// 16 bytes into shared memory from registers (the synchronous 2-byte path fills chunks this way).
+CF_DEVICE void st_shared_v4(u32 addr, u32 x, u32 y, u32 z, u32 w) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }
 CF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>

@@ -54,7 +54,7 @@ def _full_path_launches(monkeypatch, kind, infos, shape, causal, features, deter
         return None, contiguous_info(shape_, dtype.name, dtype.itemsize, "", address)
 
     monkeypatch.setattr(launch, "_scratch", fake_scratch)
-    monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args:
+    monkeypatch.setattr(launch, "launch_kernel", lambda config, device_id, stream, grid, args:
                         sent.append((config, grid, args)))
     _run(kind, infos, shape, causal, features, deterministic)
     monkeypatch.undo()
@@ -262,7 +262,7 @@ def test_a_replayed_backward_zeroes_its_accumulators_and_launches_what_the_full_
 
     monkeypatch.setattr(launch, "_scratch", full_path_scratch)
     full = []
-    monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args:
+    monkeypatch.setattr(launch, "launch_kernel", lambda config, device_id, stream, grid, args:
                         full.append((tuple(grid) + (1,) * (3 - len(grid)), 77, [a.item() for a in args])))
     _run("bwd", full_infos, shape, causal, PLAIN)
     assert sent == full and plan.calls == 1

@@ -494,4 +494,36 @@ def test_compile_command_covers_every_forward_instantiation(arch):
     from cuflash2.cli import main
 
     listed = set(main._configs(arch, list(config.HEAD_DIM_BUCKETS), list(config.DTYPES)))
-    assert set(config.all_forward_configs(arch)) <= listed
+    assert {c for c in config.all_forward_configs(arch) if c.vec == 16} <= listed
+
+
+# Contiguous head dims whose vector width and bucket are config.NARROW_SAMPLES' pairs.
+_NARROW_SAMPLE_DIMS = (59, 90, 100, 111, 255)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_compile_command_lists_the_narrow_kernels_of_its_head_dims(arch):
+    """`cuflash2 compile --head-dims 59,...` lists the kernels a contiguous call at those head dims
+    launches (their vector width), and they hold the narrow samples the compile test covers."""
+    from cuflash2 import config
+    from cuflash2.cli import main
+
+    assert {(config.head_dim_bucket(d), config.vector_width(d)) for d in _NARROW_SAMPLE_DIMS} == \
+        set(config.NARROW_SAMPLES)
+    listed = set(main._configs(arch, list(_NARROW_SAMPLE_DIMS), [config.NARROW_SAMPLE_DTYPE]))
+    narrow = {c for c in config.all_configs(arch) if c.vec != 16}
+    assert narrow and narrow <= listed
+    assert {c.vec for c in listed} <= {2, 4, 8, 16}
+    only_59 = main._configs(arch, [59], ["fp16"])
+    assert {c.vec for c in only_59 if c.kernel != config.ROTARY_COPY} == {2}
+
+
+def test_compile_command_accepts_any_head_dim_up_to_256():
+    from click.testing import CliRunner
+
+    from cuflash2.cli import main
+
+    result = CliRunner().invoke(main.main, ["compile", "--arch", "sm_80", "--head-dims", "0"])
+    assert result.exit_code != 0 and "expected head dims in [1, 256], got 0" in result.output
+    result = CliRunner().invoke(main.main, ["compile", "--arch", "sm_80", "--head-dims", "257"])
+    assert result.exit_code != 0 and "got 257" in result.output

@@ -140,6 +140,12 @@ def test_compile_kvcache(arch, config):
     _check_compiles(arch, config)
 
 
+@pytest.mark.parametrize("arch,config", _cases(cfg.all_narrow_configs))
+def test_compile_narrow(arch, config):
+    """The narrow vector widths (8/4/2-byte global accesses) on the sampled buckets: config.NARROW_SAMPLES."""
+    _check_compiles(arch, config)
+
+
 # Backward kernels, where the library has them (every instantiation of every backward plan).
 @pytest.mark.parametrize("arch,config", _cases(getattr(cfg, "all_backward_configs", lambda arch: [])))
 def test_compile_backward(arch, config):

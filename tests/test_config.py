@@ -134,7 +134,7 @@ def test_forward_launch_picks_the_tile_by_the_longer_sequence(monkeypatch):
     monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
     monkeypatch.setattr(launch, "_slots", lambda config, device_id: 264)
     sent = []
-    monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args: sent.append(config))
+    monkeypatch.setattr(launch, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append(config))
     for seqlen_q, seqlen_k in ((1024, 1024), (1024, 16384)):
         q = contiguous_info((1, seqlen_q, 8, 256), "bfloat16", 2)
         kv = contiguous_info((1, seqlen_k, 8, 256), "bfloat16", 2)
@@ -502,3 +502,70 @@ def test_forward_row_sums_in_shared_memory_only_for_tight_tiles():
         assert other.forward_row_sums_bytes == 0
         assert other.smem_bytes == other.block_m * other.head_dim * 2 + other.stages * other.block_n * other.head_dim * 2
     assert forward_config(128, "bf16", False, 90, variant=True).forward_row_sums_bytes == 0
+
+
+# ---- vector width (pure) -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim,expected", [(64, 16), (72, 16), (80, 16), (88, 16), (200, 16), (100, 8), (60, 8),
+                                               (90, 4), (62, 4), (1, 2), (3, 2), (59, 2), (111, 2), (255, 2)])
+def test_vector_width_of_contiguous_head_dims(head_dim, expected):
+    assert config.vector_width(head_dim) == expected
+    assert expected in config.possible_vector_widths(head_dim)
+    assert config.possible_vector_widths(head_dim)[0] == expected
+
+
+def test_vector_width_takes_the_least_aligned_pointer_or_stride():
+    assert config.vector_width(64, 2, [0x1000, 128, 8192]) == 16
+    assert config.vector_width(64, 2, [0x1008, 128]) == 8
+    assert config.vector_width(64, 2, [0x1000, 0x2004]) == 4
+    assert config.vector_width(64, 2, [0x1000, 130]) == 2
+    assert config.vector_width(59, 2, [0x1000, 128]) == 2  # a view q[..., :59] of 64-wide rows
+    assert config.vector_width(60, 2, [0x1000, 128]) == 8
+    assert config.vector_width(64, 2, [0, 0, 128]) == 16  # zero strides (broadcast, varlen batch) allow any width
+    with pytest.raises(ValueError, match="aligned to 2 bytes"):
+        config.vector_width(64, 2, [0x1001])
+
+
+def test_with_vector_width_keeps_16_and_names_the_others():
+    c = config.forward_config(64, "fp16", True, 90)
+    assert config.with_vector_width(c, 16) is c and c.compile_options() == ()
+    narrow = config.with_vector_width(c, 2)
+    assert narrow.vec == 2 and narrow.short_id() == c.short_id() + "-v2"
+    assert narrow.template_name() == c.template_name()  # a -D define, not a template argument
+    assert narrow.compile_options() == ("-DCF_VEC_BYTES=2",)
+    rotary = config.kvcache_helper_configs("fp16")[0]
+    assert config.with_vector_width(rotary, 2) is rotary  # element-wise: no width
+
+
+@pytest.mark.parametrize("arch", [80, 90, 86])
+def test_narrow_forward_tiles_fit_and_take_16_rows_per_warp(arch):
+    for bucket in config.HEAD_DIM_BUCKETS:
+        for vec in (8, 4, 2):
+            for variant in (False, True):
+                c = config.with_vector_width(config.forward_config(bucket, "fp16", True, arch, variant), vec)
+                assert c.smem_bytes <= config.smem_limit(arch), c.short_id()
+                if bucket >= 96:
+                    assert c.block_m // (16 * c.warps) == 1, c.short_id()
+
+
+@pytest.mark.parametrize("head_dim,cols", [(1, 8), (3, 8), (59, 64), (60, 64), (64, 64), (100, 104), (255, 256)])
+def test_fp32_scratch_rows_pad_to_8_columns(head_dim, cols):
+    assert config.fp32_cols(head_dim) == cols
+    assert config.backward_plan(head_dim, "fp16", False, 90, atomic_dq=True).main[0].dq_row_pitch(head_dim) == cols
+
+
+@pytest.mark.parametrize("head_dim,bucket", [(1, 32), (3, 32), (59, 64), (72, 96), (100, 128), (111, 128),
+                                             (200, 224), (255, 256)])
+def test_any_head_dim_takes_the_smallest_bucket(head_dim, bucket):
+    assert config.head_dim_bucket(head_dim) == bucket
+    assert config.forward_config(head_dim, "bf16", False, 80).head_dim == bucket
+
+
+def test_narrow_configs_cover_every_width_and_family():
+    for arch in (80, 90):
+        narrow = config.all_narrow_configs(arch)
+        assert {c.vec for c in narrow if c.kernel != config.ROTARY_COPY} == {8, 4, 2}
+        for vec in (8, 4, 2):
+            kinds = {c.kernel for c in narrow if c.vec == vec}
+            assert {config.FWD, config.FWD_KVCACHE, config.BWD_DOT, config.BWD_CONVERT} <= kinds
+            assert kinds & {config.BWD, config.BWD_FUSED}

@@ -78,12 +78,12 @@ def test_decode_plan_fills_in_each_calls_addresses(h200):
         launch_args.update(enumerate(args))
 
     pointers = {name: 0x1000 * (i + 1) for i, name in enumerate(kvcache._BUFFERS)}
-    original = launch._launch
-    launch._launch = fake_launch
+    original = launch.launch_kernel
+    launch.launch_kernel = fake_launch
     try:
         attention.run(type("Call", (), {"device_id": 0, "stream": None})(), pointers)
     finally:
-        launch._launch = original
+        launch.launch_kernel = original
     for index, name in attention.pointer_slots:
         assert launch_args[index] == pointers[name]
     assert launch_args[0] == pointers["q"] and launch_args[3] == pointers["out"]
@@ -151,7 +151,10 @@ def test_fused_dq_rows_padded_instead_of_swizzled_spread_banks(head_dim):
 
 def test_only_the_atomic_dq_main_kernel_swizzles_the_dq_accumulator():
     assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_column_swizzle(64) == 24
-    assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_row_pitch(60) == 60
+    # unpadded rows span the head dim rounded up to 8 columns (the kernels' fp32_cols)
+    assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_row_pitch(64) == 64
+    assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_row_pitch(60) == 64
+    assert config.backward_plan(64, "bf16", False, 90, atomic_dq=True).main[0].dq_row_pitch(59) == 64
     assert config.backward_plan(64, "bf16", False, 90).main[0].dq_column_swizzle(64) == 0  # fused: padded
     assert config.backward_plan(64, "bf16", False, 90).main[0].dq_row_pitch(60) == 72
     assert config.backward_plan(64, "bf16", False, 90, deterministic=True).main[0].dq_column_swizzle(64) == 0
@@ -168,7 +171,7 @@ def test_forward_launch_arguments_pack(monkeypatch, causal, variant):
     monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
     monkeypatch.setattr(launch, "_slots", lambda config, device_id: 264)
     sent = []
-    monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args: sent.append((config, args)))
+    monkeypatch.setattr(launch, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append((config, args)))
     q = _info((2, 100, 8, 64))
     kv = _info((2, 120, 2, 64))
     lse = _info((2, 8, 100), "float32", 4)
@@ -238,7 +241,7 @@ def _capture_backward(monkeypatch, seqlen_k, causal, fused=None):
     monkeypatch.setattr(launch, "_scratch", lambda cp, shape, dtype=np.float32, zero=False:
                         (None, contiguous_info(shape, np.dtype(dtype).name, np.dtype(dtype).itemsize)))
     sent = []
-    monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args: sent.append((config, grid, args)))
+    monkeypatch.setattr(launch, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append((config, grid, args)))
     q, kv = _info((2, 64, 8, 128)), _info((2, seqlen_k, 8, 128))
     lse = _info((2, 8, 64), "float32", 4)
     shape = AttentionShape(2, 64, seqlen_k, 8, 8, 128, "bfloat16", 0.125)
@@ -285,7 +288,7 @@ def test_causal_forward_launches_the_grouped_grid(monkeypatch, causal, variant):
     monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
     monkeypatch.setattr(launch, "_slots", lambda config, device_id: 4)
     sent = []
-    monkeypatch.setattr(launch, "_launch", lambda config, device_id, stream, grid, args: sent.append((config, grid, args)))
+    monkeypatch.setattr(launch, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append((config, grid, args)))
     features = Features(softcap=5.0) if variant else Features()
     q, kv, lse = _info((2, 300, 8, 64)), _info((2, 300, 2, 64)), _info((2, 8, 300), "float32", 4)
     launch.forward(q, kv, kv, q, lse, AttentionShape(2, 300, 300, 8, 2, 64, "bfloat16", 0.125), causal, 0, None,

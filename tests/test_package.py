@@ -125,7 +125,7 @@ def test_cli_compile_two_archs_dedups_head_dims():
     (("--arch", "sm_70"), ("--arch", "sm_70", ">= sm_80")),
     (("--arch", "sm_80,sm_75"), ("--arch", "sm_75")),
     (("--arch", "hopper"), ("--arch", "hopper")),
-    (("--arch", "sm_80", "--head-dims", "12"), ("--head-dims", "multiples of 8", "12")),
+    (("--arch", "sm_80", "--head-dims", "257"), ("--head-dims", "[1, 256]", "257")),
     (("--arch", "sm_80", "--head-dims", "264"), ("--head-dims", "264")),
     (("--arch", "sm_80", "--head-dims", "0"), ("--head-dims", "0")),
     (("--arch", "sm_80", "--head-dims", "sixty-four"), ("--head-dims", "sixty-four")),
