@@ -35,6 +35,7 @@ class Problem:
     causal: bool
     seqlen_k: int = 0  # key/value length; 0: seqlen
     heads_kv: int = 0  # key/value heads (GQA / MQA); 0: heads
+    dropout_p: float = 0.0  # attention dropout (cuflash2 with a fixed seed, SDPA from torch's generator)
 
     def __post_init__(self):
         object.__setattr__(self, "seqlen_k", self.seqlen_k or self.seqlen)
@@ -49,19 +50,19 @@ class Problem:
         kv = (f" k{self.seqlen_k}" if self.seqlen_k != self.seqlen else "") + (
             f" hkv{self.heads_kv}" if self.heads_kv != self.heads else "")
         return (f"{self.mode} d{self.head_dim} s{self.seqlen}{kv} b{self.batch} h{self.heads}"
-                f"{' causal' if self.causal else ''}")
+                f"{' causal' if self.causal else ''}{f' dropout {self.dropout_p:g}' if self.dropout_p else ''}")
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def problem_grid(mode, dtype, seqlens, head_dims, causals, batch=None, heads=None, seqlen_k=None,
-                 heads_kv=None) -> list[Problem]:
+                 heads_kv=None, dropout_p=0.0) -> list[Problem]:
     """FA2's benchmark grid: batch * seqlen = 16k tokens, nheads * head_dim = 2048, unless given.
     `seqlen_k` fixes the key length of every problem, `heads_kv` the key/value heads (GQA), which
     must divide every problem's query heads (ValueError otherwise)."""
     problems = [Problem(mode, dtype, batch or max(1, TOKENS // seqlen), seqlen, heads or max(1, MODEL_DIM // head_dim),
-                        head_dim, causal, seqlen_k or 0, heads_kv or 0)
+                        head_dim, causal, seqlen_k or 0, heads_kv or 0, dropout_p)
                 for head_dim in head_dims for causal in causals for seqlen in seqlens]
     for p in problems:
         if p.heads % p.heads_kv:
@@ -93,15 +94,19 @@ def make_inputs(cp, p: Problem):
 def cuflash2_runner(p: Problem, q, k, v, dout):
     import cuflash2
 
+    options = {"causal": p.causal}
+    if p.dropout_p:
+        options.update(dropout_p=p.dropout_p, dropout_seed=1234)
+
     def fwd():
-        return cuflash2.flash_attn_forward(q, k, v, causal=p.causal)
+        return cuflash2.flash_attn_forward(q, k, v, **options)
 
     if p.mode == "fwd":
         return fwd
     if p.mode == "bwd":
         out, lse = fwd()
-        return lambda: cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=p.causal)
-    return lambda: cuflash2.flash_attn_backward(dout, q, k, v, *fwd(), causal=p.causal)
+        return lambda: cuflash2.flash_attn_backward(dout, q, k, v, out, lse, **options)
+    return lambda: cuflash2.flash_attn_backward(dout, q, k, v, *fwd(), **options)
 
 
 def torch_runner(impl: str, p: Problem, q, k, v, dout):
@@ -120,7 +125,8 @@ def torch_runner(impl: str, p: Problem, q, k, v, dout):
 
     def fwd():
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=p.causal, **gqa)
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=p.causal,
+                                                                    dropout_p=p.dropout_p, **gqa)
 
     def backward(out, retain):
         for x in leaves:

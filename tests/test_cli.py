@@ -316,6 +316,14 @@ def test_grid_with_key_length_and_kv_heads():
         bench_run.problem_grid("fwd", "bf16", [512], [128], [False], heads_kv=3)
 
 
+def test_grid_with_dropout_and_its_bounds(no_gpu):
+    grid = bench_run.problem_grid("fwd+bwd", "bf16", [1024], [64], [True], dropout_p=0.1)
+    assert grid[0].dropout_p == 0.1 and grid[0].label().endswith("causal dropout 0.1")
+    assert grid[0].flops == bench_run.Problem("fwd+bwd", "bf16", 16, 1024, 32, 64, True).flops  # FLOPs as without
+    result = invoke("bench", "--dropout", "1.0")
+    assert result.exit_code == 2 and "--dropout" in result.output
+
+
 def test_bench_kv_heads_must_divide_before_any_gpu_work(no_gpu):
     result = invoke("bench", "--head-dim", "128", "--heads-kv", "3")
     assert result.exit_code == 2
