@@ -17,6 +17,7 @@ from .config import MAX_GRID_YZ
 from .dropout import check_dropout
 from .features import PLAIN, Features, check_alibi, check_softcap, check_window
 from .validate import AttentionShape, validate_out, validate_qkv
+from .validate import check_bool
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -38,6 +39,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     are negated, as FA2's S_dmask).
     """
     dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
+    check_bool("causal", causal); check_bool("deterministic", deterministic)
     window, softcap = check_window(window_size), check_softcap(softcap)
     framework = interop.framework_of(q)
     if framework == "torch":  # differentiable torch.library custom op
@@ -112,6 +114,7 @@ def flash_attn_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-
     result = call_plans.replay(key, (q, k, v)) if out is None else None
     if result is not None:  # a call signature seen before (cuflash2.call_plans)
         return result
+    check_bool("causal", causal)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":
@@ -270,6 +273,7 @@ def attention_probs(q, k, softmax_lse, softmax_scale=None, causal=False, window_
 
     Materialises the full matrix: for tests and debugging only.
     """
+    check_bool("causal", causal)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":

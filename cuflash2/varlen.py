@@ -30,6 +30,7 @@ from .features import (
     varlen_shape,
 )
 from .validate import AttentionShape, TensorInfo, check_alignment, validate_qkv
+from .validate import check_bool
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -42,6 +43,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     zero outside each sequence (testing only).
     """
     dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
+    check_bool("causal", causal); check_bool("deterministic", deterministic)
     window, softcap = check_window(window_size), check_softcap(softcap)
     max_seqlen_q, max_seqlen_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k",
                                                                                                   max_seqlen_k)
@@ -150,6 +152,7 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """Varlen forward returning (out, softmax_lse (nheads, total_q)). Dropout as flash_attn_forward
     (sequence b of the batch draws its mask as batch entry b)."""
+    check_bool("causal", causal)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":
@@ -256,6 +259,7 @@ def varlen_attention_probs(q, k, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_se
                            dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """Attention probabilities of a varlen call as fp32 (batch, nheads, max_seqlen_q, max_seqlen_k),
     zero-padded (testing only); entries dropped by dropout are negated."""
+    check_bool("causal", causal)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":
@@ -299,6 +303,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu
                                alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, *, dropout_p=0.0,
                                dropout_seed=None, dropout_offset=0):
     """Gradients of flash_attn_varlen_func: (dq, dk, dv) shaped like the packed q, k, v."""
+    check_bool("causal", causal); check_bool("deterministic", deterministic)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     max_seqlen_q, max_seqlen_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k",
