@@ -136,7 +136,7 @@ def test_other_errors_still_raise(monkeypatch):
 
 def test_hints_are_runnable_commands():
     for message in (errors.cupy_missing(), errors.nvrtc_missing(), cuflash2.interop.CUPY_MISSING):
-        assert "pip install '.[cuda12]'" in message and "checkout" in message
+        assert re.search(r"pip install '\.\[cuda1[23]\]'", message) and "checkout" in message, message
         assert "cuflash2[cuda" not in message  # not on a package index yet
 
 
