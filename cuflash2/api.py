@@ -39,7 +39,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     are negated, as FA2's S_dmask).
     """
     dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
-    check_bool("causal", causal); check_bool("deterministic", deterministic)
+    check_bool("causal", causal)
+    check_bool("deterministic", deterministic)
     window, softcap = check_window(window_size), check_softcap(softcap)
     framework = interop.framework_of(q)
     if framework == "torch":  # differentiable torch.library custom op

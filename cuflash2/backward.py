@@ -32,7 +32,8 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
     result = None if outputs_given else call_plans.replay(key, (dout, q, k, v, out, softmax_lse))
     if result is not None:  # a call signature seen before (cuflash2.call_plans)
         return result
-    check_bool("causal", causal); check_bool("deterministic", deterministic)
+    check_bool("causal", causal)
+    check_bool("deterministic", deterministic)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     if interop.framework_of(q) == "numpy":

@@ -43,7 +43,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     zero outside each sequence (testing only).
     """
     dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
-    check_bool("causal", causal); check_bool("deterministic", deterministic)
+    check_bool("causal", causal)
+    check_bool("deterministic", deterministic)
     window, softcap = check_window(window_size), check_softcap(softcap)
     max_seqlen_q, max_seqlen_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k",
                                                                                                   max_seqlen_k)
@@ -303,7 +304,8 @@ def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu
                                alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, *, dropout_p=0.0,
                                dropout_seed=None, dropout_offset=0):
     """Gradients of flash_attn_varlen_func: (dq, dk, dv) shaped like the packed q, k, v."""
-    check_bool("causal", causal); check_bool("deterministic", deterministic)
+    check_bool("causal", causal)
+    check_bool("deterministic", deterministic)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False)
     max_seqlen_q, max_seqlen_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k",
