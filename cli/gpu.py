@@ -56,5 +56,7 @@ def cuda_version(number: int) -> str:
 
 
 def no_gpu_error(command: str, reason: str) -> str:
-    return (f"`cuflash2 {command}` needs a CUDA GPU: {reason}.\n"
-            "Run `cuflash2 info` to see what was found; `cuflash2 check` runs CPU (NumPy) checks without one.")
+    """One line: what is missing and what to do (cli.errors words every edge error)."""
+    from .errors import no_gpu
+
+    return no_gpu(command, reason)

@@ -116,6 +116,79 @@ def collect() -> list[tuple[str, list[tuple[str, str]]]]:
     return sections
 
 
+def _or_none(fn, *args):
+    try:
+        return fn(*args)
+    except Exception:  # info must never fail: an unknown value is null
+        return None
+
+
+def cache_facts(path: pathlib.Path) -> dict:
+    """The kernel cache as separate fields: its path, whether it exists, file count and bytes."""
+    if not path.is_dir():
+        return {"path": str(path), "exists": False, "files": 0, "size_bytes": 0}
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return {"path": str(path), "exists": True, "files": len(files),
+            "size_bytes": sum(p.stat().st_size for p in files)}
+
+
+def _framework_facts(module: str, dist: str) -> dict:
+    status = framework_status(module, dist)
+    installed = status != "not installed"
+    return {"installed": installed, "version": _dist_version(dist) if installed else None}
+
+
+def collect_json() -> dict:
+    """The facts of `cuflash2 info` for machines: snake_case keys, numbers and booleans as such,
+    null where a value is absent or unknown, paths and sizes as separate fields."""
+    import cuflash2
+    from cuflash2 import bench, compiler
+
+    cp, reason = gpu.find_gpu()
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    gpu_facts = {"available": cp is not None, "reason": reason or None, "device_id": None, "name": None,
+                 "visible_devices": None, "compute_capability_major": None, "compute_capability_minor": None,
+                 "arch": None, "sm_count": None, "max_dynamic_smem_bytes": None, "l2_cache_bytes": None,
+                 "memory_bytes": None}
+    peak = {"tflops": None, "source": None}
+    if cp is not None:
+        info = gpu.gpu_info(cp)
+        gpu_facts.update(device_id=info.device_id, name=info.name,
+                         visible_devices=_or_none(cp.cuda.runtime.getDeviceCount),
+                         compute_capability_major=info.major, compute_capability_minor=info.minor, arch=info.arch,
+                         sm_count=info.sm_count, max_dynamic_smem_bytes=info.smem_optin_bytes,
+                         l2_cache_bytes=info.l2_bytes, memory_bytes=info.memory_bytes)
+        value, source = bench.peak_tflops(info.name)
+        peak = {"tflops": value, "source": source}
+
+    def version(fn):
+        text = _or_none(fn)
+        return None if text in (None, "none") else str(text)
+
+    versions = {"cupy": None, "cuda_driver": None, "cuda_runtime": None, "nvrtc": None}
+    if cupy is not None:
+        versions.update(
+            cupy=cupy.__version__,
+            cuda_driver=version(lambda: gpu.cuda_version(cupy.cuda.runtime.driverGetVersion())),
+            cuda_runtime=version(lambda: gpu.cuda_version(cupy.cuda.runtime.runtimeGetVersion())),
+            nvrtc=version(lambda: "{}.{}".format(*cupy.cuda.nvrtc.getVersion())))
+    versions.update(numpy=_dist_version("numpy"), ml_dtypes=_dist_version("ml_dtypes"))
+    kernel_dir = _or_none(compiler.kernel_dir)
+    return {
+        "cuflash2": {"version": cuflash2.__version__, "backward_available": hasattr(cuflash2, "flash_attn_backward"),
+                     "kernel_sources_hash": _or_none(compiler.sources_hash),
+                     "kernel_sources_path": str(kernel_dir) if kernel_dir is not None else None},
+        "kernel_cache": cache_facts(kernel_cache_dir()),
+        "gpu": gpu_facts,
+        "versions": versions,
+        "interop": {module: _framework_facts(module, dist) for module, dist in FRAMEWORKS},
+        "peak": peak,
+    }
+
+
 def render_sections(sections) -> str:
     width = max(len(key) for _, pairs in sections for key, _ in pairs)
     lines = []
@@ -126,16 +199,18 @@ def render_sections(sections) -> str:
 
 
 @click.command("info")
-@click.option("--json", "as_json", is_flag=True, help="Print the same facts as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the facts as JSON for machines: snake_case keys, numbers and booleans as such, null "
+                   "where absent, paths and sizes in separate fields.")
 def info_command(as_json: bool) -> None:
     """Show the GPU, toolchain versions, interop frameworks, kernel cache and peak.
 
     Works without a GPU (and without CuPy) and says so.
     """
-    sections = collect()
     if as_json:
-        click.echo(json.dumps({title: dict(pairs) for title, pairs in sections}, indent=2))
+        click.echo(json.dumps(collect_json(), indent=2))
         return
+    sections = collect()
     click.echo(render_sections(sections), nl=False)
     if dict(sections[1][1])["device"].startswith("none"):
         click.echo("\nNo GPU: GPU kernels cannot run here; `cuflash2 check` runs the NumPy (CPU) checks only.")

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
 
 import cuflash2
 from cuflash2 import config as cfg
+from cuflash2.interop import CUPY_MISSING
 
 from .bench_cmd import bench_command
 from .check_cmd import check_command
+from .errors import EdgeErrorGroup
 from .info_cmd import info_command
+from .progress import CompileSummary, Progress
 
 
 def _parse_int_list(text: str | None, name: str) -> list[int] | None:
@@ -33,25 +37,39 @@ def _parse_archs(text: str) -> list[int]:
     return archs
 
 
-@click.group()
+@click.group(cls=EdgeErrorGroup)
 @click.version_option(version=cuflash2.__version__, message="%(version)s")
 def main() -> None:
     """cuflash2: FlashAttention-2 kernels compiled at run time by NVRTC."""
 
 
+def _default_jobs() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 @main.command("compile")
-@click.option("--arch", default=None, help="Target archs, e.g. sm_80,sm_90 (no GPU needed). "
-                                           "Default: precompile for the local GPU.")
+@click.option("--arch", default=None, help="Target archs, e.g. sm_80,sm_90 (no GPU needed): these builds are "
+                                           "checked (registers, spills), not cached. Default: compile for the "
+                                           "local GPU and fill the kernel cache.")
 @click.option("--head-dims", default=None, help="Comma-separated head dims, 1 to 256 (default: every bucket). Each "
                                                 "compiles at the vector width of a contiguous tensor of that head dim.")
 @click.option("--dtypes", default="bf16,fp16", show_default=True, help="Comma-separated: bf16, fp16.")
 @click.option("--kernels", type=click.Choice(["all", "fwd", "bwd"]), default="all", show_default=True,
               help="Forward, backward, or both kernel families.")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=_default_jobs, show_default="the CPU count",
               help="Compile in this many processes at once.")
 def compile_command(arch: str | None, head_dims: str | None, dtypes: str, kernels: str, jobs: int) -> None:
     """Compile every kernel instantiation (plain and variant); report registers, smem, stack and
-    spills. Without --arch this fills the kernel cache for the local GPU, so later calls start at once."""
+    spills, then a summary. Exits 1 on any compile error, spill or stack frame.
+
+    Without --arch this fills the kernel cache for the local GPU, so later calls start at once (the
+    first call of each variant otherwise compiles it, a few seconds each). With --arch the kernels
+    are built for other GPUs, no GPU needed, to check them: those builds are not cached.
+    On a terminal a progress bar shows n/N, elapsed time and ETA; otherwise plain lines.
+    """
     dims = _parse_int_list(head_dims, "--head-dims") or list(cfg.HEAD_DIM_BUCKETS)
     dtype_list = [d.strip() for d in dtypes.split(",") if d.strip()]
     for d in dtype_list:
@@ -63,11 +81,11 @@ def compile_command(arch: str | None, head_dims: str | None, dtypes: str, kernel
                                      param_hint="--head-dims")
     kinds = ("fwd", "bwd") if kernels == "all" else (kernels,)
     if arch is None:
-        failures = _compile_local(dims, dtype_list, kinds, jobs)
+        summary = _compile_local(dims, dtype_list, kinds, jobs)
     else:
-        failures = _compile_offline(_parse_archs(arch), dims, dtype_list, kinds, jobs)
-    if failures:
-        click.echo(f"{failures} kernel(s) failed (compile error, spill or stack frame)", err=True)
+        summary = _compile_offline(_parse_archs(arch), dims, dtype_list, kinds, jobs)
+    click.echo(summary.line())
+    if summary.failed or summary.spills:
         sys.exit(1)
 
 
@@ -107,7 +125,8 @@ def _configs_of_dim(arch: int, dim: int, dtypes: list[str], kinds: tuple[str, ..
 def _run_all(worker, items, jobs: int):
     """worker(item) for every item, in `jobs` fresh processes (CUDA and NVRTC are process-safe;
     spawn, not fork, so no CUDA context is inherited). Yields results in order."""
-    if jobs == 1:
+    jobs = min(jobs, len(items))
+    if jobs <= 1:
         yield from map(worker, items)
         return
     import concurrent.futures
@@ -117,33 +136,43 @@ def _run_all(worker, items, jobs: int):
         yield from pool.map(worker, items)
 
 
-def _compile_offline(archs: list[int], dims: list[int], dtypes: list[str], kinds, jobs: int = 1) -> int:
-    from cuflash2.compiler import offline_report
+def _compile_offline(archs: list[int], dims: list[int], dtypes: list[str], kinds, jobs: int = 1) -> CompileSummary:
+    from cuflash2.compiler import nvrtc_version, offline_report
 
-    failures = 0
+    nvrtc_version()  # no CuPy or no NVRTC: one error now, not one per kernel (cli.errors words it)
     items = [(config, f"sm_{arch}") for arch in archs for config in _configs(arch, dims, dtypes, kinds)]
-    for report in _run_all(offline_report, items, jobs):
-        click.echo(report.line())
-        if report.error:
-            click.echo(report.error, err=True)
-        failures += not report.ok
-    return failures
+    summary = CompileSummary(len(items), jobs=min(jobs, len(items)), what=", ".join(f"sm_{a}" for a in archs),
+                             cached=False)
+    with Progress(len(items)) as progress:
+        for report in _run_all(offline_report, items, jobs):
+            status = "ok" if report.ok else ("ERROR" if report.error else "SPILL")
+            progress.emit(report.line(), report.error)
+            summary.add(status)
+    return summary
 
 
-def _compile_local(dims: list[int], dtypes: list[str], kinds, jobs: int = 1) -> int:
-    from cuflash2.compiler import local_report
-    from cuflash2.interop import import_cupy
+def _compile_local(dims: list[int], dtypes: list[str], kinds, jobs: int = 1) -> CompileSummary:
+    from cuflash2.compiler import local_report, nvrtc_version
 
-    cp = import_cupy()
-    if not cp.cuda.is_available():
-        raise click.UsageError("no GPU found: pass --arch (e.g. --arch sm_80,sm_90) to compile without one")
+    from . import errors, gpu
+
+    cp, reason = gpu.find_gpu()
+    if cp is None:
+        if reason == CUPY_MISSING:
+            raise click.ClickException(errors.cupy_missing())
+        raise click.ClickException(errors.no_gpu("compile", reason))
+    nvrtc_version()
     device = cp.cuda.Device()
     arch = int(device.compute_capability)
-    failures = 0
-    for line, ok in _run_all(local_report, [(c, device.id) for c in _configs(arch, dims, dtypes, kinds)], jobs):
-        click.echo(line)
-        failures += not ok
-    return failures
+    items = [(c, device.id) for c in _configs(arch, dims, dtypes, kinds)]
+    summary = CompileSummary(len(items), jobs=min(jobs, len(items)), what=f"sm_{arch} (GPU {device.id})",
+                             cached=True)
+    with Progress(len(items)) as progress:
+        for line, ok in _run_all(local_report, items, jobs):
+            status = "ok" if ok else ("SPILL" if line.startswith("SPILL") else "ERROR")
+            progress.emit(line)
+            summary.add(status)
+    return summary
 
 
 main.add_command(info_command)

@@ -17,6 +17,7 @@ from .config import MAX_GRID_YZ
 from .dropout import check_dropout
 from .features import PLAIN, Features, check_alibi, check_rng_state, check_softcap, check_window
 from .validate import AttentionShape, validate_out, validate_qkv
+from .validate import check_bool
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -37,6 +38,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     seqlen_k) fp32 is materialised in full and meant for testing only (with dropout, dropped entries
     are negated, as FA2's S_dmask).
     """
+    check_bool("causal", causal)
+    check_bool("deterministic", deterministic)
     framework = interop.framework_of(q)
     if framework == "torch" and dropout_seed is None:  # torch_ops draws it from torch's CUDA generator
         dropout = dropout_rng.DropoutSpec(check_dropout(dropout_p))
@@ -133,6 +136,7 @@ def flash_attn_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-
     result = call_plans.replay(key, (q, k, v)) if out is None else None
     if result is not None:  # a call signature seen before (cuflash2.call_plans)
         return result
+    check_bool("causal", causal)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     if interop.framework_of(q) == "numpy":
@@ -313,6 +317,7 @@ def attention_probs(q, k, softmax_lse, softmax_scale=None, causal=False, window_
 
     Materialises the full matrix: for tests and debugging only.
     """
+    check_bool("causal", causal)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     if interop.framework_of(q) == "numpy":

@@ -16,6 +16,7 @@ from .api import (_check_grid, _fill, check_host_dropout, gpu_features, numpy_al
 from .dropout import NO_DROPOUT
 from .features import check_softcap, check_window
 from .validate import AttentionShape, check_alignment, validate_qkv
+from .validate import check_bool
 
 
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -34,6 +35,8 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
     result = None if outputs_given else call_plans.replay(key, (dout, q, k, v, out, softmax_lse))
     if result is not None:  # a call signature seen before (cuflash2.call_plans)
         return result
+    check_bool("causal", causal)
+    check_bool("deterministic", deterministic)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     if interop.framework_of(q) == "numpy":

@@ -12,11 +12,18 @@ import dataclasses
 import functools
 import hashlib
 import importlib.resources
+import logging
 import pathlib
 import re
 import threading
+import time
 
 from .config import KernelConfig
+
+#: Says when a kernel is compiled (or loaded from CuPy's disk cache) on its first use in a process.
+#: Silent by default; logging.basicConfig(level=logging.INFO) or
+#: logging.getLogger("cuflash2").setLevel(logging.INFO) with a handler turns it on.
+logger = logging.getLogger("cuflash2")
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _NVRTC_OPTIONS = ("-std=c++17", "-ftz=true")
@@ -79,6 +86,9 @@ def get_kernel(config: KernelConfig, device_id: int):
         if kernel is None:
             import cupy
 
+            logger.info("compiling kernel %s on cuda:%d (first use of this variant in this process: "
+                        "seconds with NVRTC, or a quick load from the kernel cache)", config.short_id(), device_id)
+            start = time.perf_counter()
             with cupy.cuda.Device(device_id):
                 module = cupy.RawModule(code=kernel_source(config.source_file),
                                         options=_NVRTC_OPTIONS + config.compile_options(),
@@ -86,6 +96,7 @@ def get_kernel(config: KernelConfig, device_id: int):
                 kernel = module.get_function(config.template_name())
                 if config.smem_bytes > 48 * 1024:
                     kernel.max_dynamic_shared_size_bytes = config.smem_bytes
+            logger.info("kernel %s ready in %.1f s", config.short_id(), time.perf_counter() - start)
             _loaded[key] = kernel
     return kernel
 
@@ -93,8 +104,6 @@ def get_kernel(config: KernelConfig, device_id: int):
 def local_report(item: tuple[KernelConfig, int]) -> tuple[str, bool]:
     """Compile one config for a local GPU (filling the disk cache); (report line, ok). A worker of
     `cuflash2 compile --jobs`, so it takes one picklable argument."""
-    import time
-
     config, device_id = item
     start = time.perf_counter()
     try:
@@ -141,9 +150,14 @@ def _nvrtc():
     try:
         from cupy_backends.cuda.libs import nvrtc
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise RuntimeError("offline compilation needs CuPy: pip install 'cuflash2[cuda12]' "
-                           "(or 'cuflash2[cuda13]')") from exc
+        raise RuntimeError("CuPy is not installed (offline compilation needs it): run pip install '.[cuda12]' "
+                           "in the cuflash2 checkout, or '.[cuda13]' for CUDA 13") from exc
     return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """NVRTC's (major, minor); loads the library, so a missing CuPy or NVRTC raises here."""
+    return tuple(_nvrtc().getVersion())
 
 
 def _parse_ptxas_log(log: str) -> dict[str, int]:
@@ -161,8 +175,6 @@ def _parse_ptxas_log(log: str) -> dict[str, int]:
 
 def compile_offline(config: KernelConfig, arch: str) -> CompileReport:
     """Compile `config` for `arch` (e.g. "sm_80", "sm_90") with NVRTC; no GPU needed."""
-    import time
-
     nvrtc = _nvrtc()
     start = time.perf_counter()
     name = config.template_name()

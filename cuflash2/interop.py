@@ -16,8 +16,8 @@ from .validate import TensorInfo
 
 _DLPACK_CPU, _DLPACK_CUDA = 1, 2
 
-CUPY_MISSING = ("cuflash2 needs CuPy for GPU arrays: pip install 'cuflash2[cuda12]' "
-                "(CUDA 12) or 'cuflash2[cuda13]' (CUDA 13)")
+CUPY_MISSING = ("cuflash2 needs CuPy for GPU arrays: run pip install '.[cuda12]' in the cuflash2 checkout "
+                "(CUDA 12 driver), or pip install '.[cuda13]' (CUDA 13)")
 
 
 def import_cupy():

@@ -38,6 +38,7 @@ from .validate import (
     softmax_scale_or_default,
     validate_qkv,
 )
+from .validate import check_bool
 
 _THREADS = 256
 _MAX_SPLITS = 128  # the combine kernel's kMaxCombineSplits
@@ -232,6 +233,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         result = step(arrays)
         if result is not None:
             return result
+    check_bool("causal", causal)
     window, softcap = check_window(window_size), check_softcap(softcap)
     if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")

@@ -55,6 +55,16 @@ def expect(condition: bool, message, error=ValueError) -> None:
         raise error(message() if callable(message) else message)
 
 
+def check_bool(name: str, value) -> bool:
+    """`value` as a bool, or a TypeError naming the argument (causal=1 or causal="yes" is a mistake
+    that would otherwise pass as truthy). NumPy's bool_ counts as a bool."""
+    if value is True or value is False:
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise TypeError(f"{name}: expected bool, got {type(value).__name__}")
+
+
 def check_dtype(name: str, info: TensorInfo, expected: str | None = None) -> None:
     if expected is None:
         expect(info.dtype in SUPPORTED_DTYPES,

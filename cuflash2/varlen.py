@@ -42,7 +42,7 @@ from .features import (
     check_window,
     varlen_shape,
 )
-from .validate import AttentionShape, TensorInfo, check_alignment, expect, validate_qkv
+from .validate import AttentionShape, TensorInfo, check_alignment, check_bool, expect, validate_qkv
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -56,6 +56,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     zero outside each sequence (testing only). block_table: k and v are paged caches (module doc;
     forward only).
     """
+    check_bool("causal", causal)
+    check_bool("deterministic", deterministic)
     if block_table is not None:
         return _paged_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                            causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, out)
@@ -295,6 +297,7 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     """Varlen forward returning (out, softmax_lse (nheads, total_q)). Dropout as flash_attn_forward
     (sequence b of the batch draws its mask as batch entry b). block_table: k and v are paged
     caches (module doc; no dropout)."""
+    check_bool("causal", causal)
     window, softcap = check_window(window_size), check_softcap(softcap)
     if block_table is not None:
         check_paged_dropout(dropout_p)
@@ -470,6 +473,7 @@ def varlen_attention_probs(q, k, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_se
                            dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_rng_state=None):
     """Attention probabilities of a varlen call as fp32 (batch, nheads, max_seqlen_q, max_seqlen_k),
     zero-padded (testing only); entries dropped by dropout are negated."""
+    check_bool("causal", causal)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     if interop.framework_of(q) == "numpy":
@@ -514,6 +518,8 @@ def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu
                                alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, *, dropout_p=0.0,
                                dropout_seed=None, dropout_offset=0, dropout_rng_state=None):
     """Gradients of flash_attn_varlen_func: (dq, dk, dv) shaped like the packed q, k, v."""
+    check_bool("causal", causal)
+    check_bool("deterministic", deterministic)
     window, softcap = check_window(window_size), check_softcap(softcap)
     dropout = resolve_dropout(dropout_p, dropout_seed, dropout_offset, draw_seed=False, rng_state=dropout_rng_state)
     max_seqlen_q, max_seqlen_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k",

@@ -19,11 +19,20 @@ def _gpu_available() -> bool:
 HAS_GPU = _gpu_available()
 
 
+# Test files whose every test compiles kernels with NVRTC: marked `compile` here, so that
+# `-m "not compile"` is a quick run (the NVRTC compiles are most of the CPU suite's time).
+COMPILE_MODULES = {"test_compile.py"}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "compile: compiles kernels with NVRTC (no GPU needed)")
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in COMPILE_MODULES:
+            item.add_marker(pytest.mark.compile)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="no CUDA GPU available")

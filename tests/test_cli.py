@@ -96,8 +96,9 @@ def test_info_json_without_gpu(no_gpu):
     result = invoke("info", "--json")
     assert result.exit_code == 0
     facts = json.loads(result.output)
-    assert facts["GPU"]["device"].startswith("none")
-    assert set(facts["Interop"]) == {"torch", "jax"}
+    assert facts["gpu"]["available"] is False and facts["gpu"]["name"] is None
+    assert "no CUDA GPU found" in facts["gpu"]["reason"]
+    assert set(facts["interop"]) == {"torch", "jax"}
 
 
 def test_info_without_cupy(monkeypatch):

@@ -232,7 +232,10 @@ def _child_env(cache_dir):
     env = dict(os.environ)
     env["CUPY_CACHE_DIR"] = str(cache_dir)
     env.pop("CUPY_CACHE_IN_MEMORY", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    import cuflash2  # the children import the cuflash2 this process imported (installed, or a checkout's)
+
+    here = str(pathlib.Path(cuflash2.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([here] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
 

@@ -93,12 +93,16 @@ def test_cli_compile_help():
         assert option in result.output
 
 
+@pytest.mark.compile
 def test_cli_compile_offline():
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy")
     result = run_cli("compile", "--arch", "sm_80", "--head-dims", "64", "--dtypes", "bf16")
     assert result.exit_code == 0, combined_output(result)
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines, "no output"
+    summary = lines.pop()  # the closing summary
+    assert re.fullmatch(rf"{len(lines)}/{len(lines)} kernels for sm_80: {len(lines)} ok, 0 failed, 0 spills .*"
+                        r"\(checked, not cached\)", summary), summary
     for line in lines:  # one line per kernel
         assert "regs=" in line and "sm_80" in line and "-bf16" in line, line
         assert line.startswith("ok"), line
@@ -112,6 +116,7 @@ def test_cli_compile_offline():
     assert any("bwd-bf16-d64-" in line and "dvdk" in line for line in backward), result.output
 
 
+@pytest.mark.compile
 def test_cli_compile_two_archs_dedups_head_dims():
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy")
     # 40 and 64 share the 64 bucket: one kernel per (arch, dtype, mask)

@@ -6,15 +6,11 @@ kernels' scheduling) is checked against the naive code on awkward shapes.
 """
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cuflash2 import reference as ref  # noqa: E402
+from cuflash2 import reference as ref
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
