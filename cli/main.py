@@ -96,12 +96,19 @@ def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ..
     unique: dict[cfg.KernelConfig, None] = {}
     for dim in dims:
         vec = cfg.vector_width(dim)
-        unique.update(dict.fromkeys(cfg.with_vector_width(c, vec) for c in _configs_of_dim(arch, dim, dtypes, kinds)))
+        unique.update(dict.fromkeys(cfg.with_vector_width(c, vec) for c in _configs_of_dim(arch, dim, dtypes, kinds, vec)))
     return sorted(unique, key=lambda c: c.short_id())
 
 
-def _configs_of_dim(arch: int, dim: int, dtypes: list[str], kinds: tuple[str, ...]) -> list[cfg.KernelConfig]:
+def _configs_of_dim(arch: int, dim: int, dtypes: list[str], kinds: tuple[str, ...], vec: int = 16
+                    ) -> list[cfg.KernelConfig]:
     unique: dict[cfg.KernelConfig, None] = {}
+    if vec < 16 and "bwd" in kinds:  # narrow calls run one backward plan (config.narrow_backward_plan)
+        unique.update(dict.fromkeys(c for dtype in dtypes for causal in (False, True) for gqa in (False, True)
+                                    for variant in (False, True)
+                                    for c in cfg.narrow_backward_plan(dim, dtype, causal, arch, gqa, variant,
+                                                                      vec).kernels()))
+        kinds = tuple(k for k in kinds if k != "bwd")
     for dtype in dtypes:
         for causal in (False, True):
             for variant in (False, True):

@@ -250,18 +250,51 @@ def vector_width(head_dim: int, itemsize: int = 2, byte_offsets=()) -> int:
 
 def with_vector_width(config: KernelConfig, vec: int) -> KernelConfig:
     """`config` built for vector width `vec` (the element-wise rotary/append copy takes no width).
-    Forward tiles with 32 query rows per warp at head dims >= 96 hold 240-255 registers at width 16;
-    the narrow copies' extra addresses and predicates (registers, at width 2) make them spill, so
-    below 16 bytes they run with twice the warps, 16 rows each (the same shared memory or less);
-    at head dims >= 224 also with 32-key blocks, as the variant tiles (64 spill at width 2)."""
+    The narrow copies' extra addresses and predicates (and, at width 2, the registers a chunk is
+    gathered in) cost registers that the 16-byte tiles do not have, so below 16 bytes some tiles
+    shrink (each rule was found by compiling the sampled narrow configs for sm_80/86/90):
+    - forward tiles with 32 query rows per warp at head dims >= 96 run twice the warps, 16 rows
+      each (the same shared memory or less); at head dims >= 224 (>= 160 at width 2) also 32-key
+      blocks;
+    - KV-cache and decoding tiles at head dims >= 128 take 64-key blocks instead of 128 (the
+      KV-cache tiles 32 at width 2);
+    - the backward's dK/dV kernels at head dims >= 128 take half the query rows per step, and its
+      dQ kernel, at width 2, half the keys.
+    Some width-2 kernels still keep a stack frame (narrow_spill_expected)."""
     if vec == config.vec or config.kernel == ROTARY_COPY:
         return config
     if vec < 16 and config.kernel in (FWD, FWD_KVCACHE) and config.head_dim >= 96:
         if config.block_m // (16 * config.warps) >= 2:
             config = dataclasses.replace(config, warps=config.warps * 2)
-        if config.head_dim >= 224 and config.block_n > 32:
+        if (config.head_dim >= 224 or (vec == 2 and config.head_dim >= 160)) and config.block_n > 32:
             config = dataclasses.replace(config, block_n=32)
+    if vec < 16 and config.kernel in (FWD_KVCACHE, FWD_DECODE) and config.head_dim >= 128:
+        keys = 32 if vec == 2 and config.kernel == FWD_KVCACHE else 64
+        if config.block_n > keys:
+            config = dataclasses.replace(config, block_n=keys)
+    if vec < 16 and config.kernel == BWD and config.head_dim >= 128 and config.block_m >= 64:
+        config = dataclasses.replace(config, block_m=config.block_m // 2)
+    if vec == 2 and config.kernel == BWD_DQ and config.head_dim >= 128 and config.block_n >= 32:
+        config = dataclasses.replace(config, block_n=config.block_n // 2)
     return dataclasses.replace(config, vec=vec)
+
+
+def narrow_spill_expected(config: KernelConfig) -> bool:
+    """Width-2 kernels (odd head dims, or strides of an odd number of elements) above head dim 192,
+    and the variant dK/dV kernels above 128: no tile found compiles them without a stack frame (a
+    few to a hundred bytes). They are correct, and slower."""
+    return config.vec == 2 and (config.head_dim > 192 or (config.head_dim > 128 and config.kernel == BWD
+                                                         and config.variant))
+
+
+def narrow_backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, gqa: bool, variant: bool,
+                         vec: int) -> BackwardPlan:
+    """The backward plan of a call whose tensors take `vec`-byte accesses (vec < 16): the two-kernel
+    dK/dV plan with its own dQ kernel (the one-pass fused and atomic-dQ kernels hold too many
+    registers for narrow copies), each kernel built for the width."""
+    plan = backward_plan(head_dim, dtype, causal, arch, deterministic=True, gqa=gqa, variant=variant, fused=False)
+    return BackwardPlan(with_vector_width(plan.dot, vec), tuple(with_vector_width(c, vec) for c in plan.main),
+                        plan.dq and with_vector_width(plan.dq, vec), with_vector_width(plan.convert, vec))
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -488,9 +521,17 @@ def all_narrow_configs(arch: int) -> list[KernelConfig]:
     """The narrow vector widths' instantiations the compile test covers (NARROW_SAMPLES): forward,
     backward and KV-cache kernels of the sampled buckets and widths."""
     configs = []
-    for configs_of in (_forward_configs_of, _backward_configs_of, _kvcache_configs_of):
+    for configs_of in (_forward_configs_of, _kvcache_configs_of):
         configs += _narrow_samples(functools.partial(configs_of, arch))
+    configs += [c for bucket, vec in NARROW_SAMPLES for c in _narrow_backward_configs_of(arch, bucket, vec)]
     return list(dict.fromkeys(configs))
+
+
+def _narrow_backward_configs_of(arch: int, bucket: int, vec: int) -> list[KernelConfig]:
+    """Every kernel of the narrow backward plans (narrow_backward_plan) of a bucket and width."""
+    return list(dict.fromkeys(c for causal in (False, True) for gqa in (False, True) for variant in (False, True)
+                              for c in narrow_backward_plan(bucket, NARROW_SAMPLE_DTYPE, causal, arch, gqa, variant,
+                                                            vec).kernels()))
 
 
 def _kvcache_configs_of_rows(bucket: int) -> tuple[int, ...]:
@@ -679,7 +720,7 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
 # tile of each: 2 bytes, the widest change (loads through registers), at the buckets of d=59 (4
 # warps), d=111 (the register-tight 4-warp forward and the fused backward's 255 registers) and d=255
 # (8 warps, the split backward); 4 bytes at d=90's bucket; 8 bytes at d=100's.
-NARROW_SAMPLES = ((64, 2), (96, 4), (128, 8), (128, 2), (256, 2))  # (bucket, vector width)
+NARROW_SAMPLES = ((64, 2), (96, 4), (128, 8), (128, 2), (192, 2), (256, 2))  # (bucket, vector width)
 NARROW_SAMPLE_DTYPE = "fp16"
 
 

@@ -14,8 +14,8 @@ import numpy as np
 
 from . import packed_launch
 from .compiler import get_kernel
-from .config import (MAX_GRID_YZ, BackwardPlan, KernelConfig, backward_plan, forward_config, fp32_cols, vector_width,
-                     with_vector_width)
+from .config import (MAX_GRID_YZ, KernelConfig, backward_plan, forward_config, fp32_cols,
+                     narrow_backward_plan, vector_width, with_vector_width)
 from .features import PLAIN, Features
 from .validate import AttentionShape, TensorInfo, check_compute_capability
 
@@ -160,9 +160,9 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
         plan = backward_plan(d, SHORT_DTYPE[shape.dtype], causal, arch or device_arch(device_id), deterministic,
                              gqa, split, atomic_dq, variant, tile, fused=False)
     vec = call_vector_width(d, dout, q, k, v, out, dq, dk, dv)
-    if vec != 16:
-        plan = BackwardPlan(with_vector_width(plan.dot, vec), tuple(with_vector_width(c, vec) for c in plan.main),
-                            plan.dq and with_vector_width(plan.dq, vec), with_vector_width(plan.convert, vec))
+    if vec != 16:  # rows that are not 16-byte aligned: the plan built for narrow accesses
+        plan = narrow_backward_plan(d, SHORT_DTYPE[shape.dtype], causal, arch or device_arch(device_id), gqa, variant,
+                                    vec)
     # Row-wise buffers (D, fp32 accumulators) cover (b, seqlen) rows, or the packed rows when varlen.
     if features.varlen:
         b, sq, sk = 1, features.total_q, features.total_k

@@ -142,8 +142,17 @@ def test_compile_kvcache(arch, config):
 
 @pytest.mark.parametrize("arch,config", _cases(cfg.all_narrow_configs))
 def test_compile_narrow(arch, config):
-    """The narrow vector widths (8/4/2-byte global accesses) on the sampled buckets: config.NARROW_SAMPLES."""
-    _check_compiles(arch, config)
+    """The narrow vector widths (8/4/2-byte global accesses) on the sampled buckets: config.NARROW_SAMPLES.
+    Width-2 kernels above head dim 192 keep a stack frame that no tile removes
+    (config.narrow_spill_expected, documented): they must compile, with the frame bounded."""
+    if not cfg.narrow_spill_expected(config):
+        _check_compiles(arch, config)
+        return
+    pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
+    report = compiler.compile_offline(config, f"sm_{arch}")
+    assert not report.error, f"{config.template_name()} failed to compile for sm_{arch}:\n{report.error}"
+    assert 0 < report.registers <= 255, report.line()
+    assert report.stack_frame_bytes <= 256 and report.spill_store_bytes <= 256, report.line()
 
 
 # Backward kernels, where the library has them (every instantiation of every backward plan).
