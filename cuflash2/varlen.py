@@ -276,11 +276,7 @@ def _gather(xp, cache, table, cu_k):
 def _gpu_inputs(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window,
                 softcap, alibi_slopes, dropout):
     infos = [call.tensor(name, x) for name, x in (("q", q), ("k", k), ("v", v))]
-    cu = []
-    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if interop.framework_of(x, name) == "numpy":
-            raise TypeError(f"{name}: expected a GPU array like q, got a NumPy array")
-        cu.append((call.tensor(name, x), call.to_cupy(name, x).get()))  # host copy for the checks
+    cu = _cu_seqlens(call, cu_seqlens_q, cu_seqlens_k)
     problem = _validate(*infos, softmax_scale, *cu[0], *cu[1], max_seqlen_q, max_seqlen_k, check_pointers=True)
     base = gpu_features(call, problem.shape, infos[0].device, window, softcap, alibi_slopes, dropout)
     features = dataclasses.replace(base, cu_seqlens_q=cu[0][0], cu_seqlens_k=cu[1][0], total_q=q.shape[0],
@@ -311,16 +307,7 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         problem, features = _gpu_inputs(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         softmax_scale, window, softcap, alibi_slopes, dropout)
         shape = problem.shape
-        if out is None:
-            out, out_info = call.empty(problem.q.shape, shape.dtype, like=q)
-        else:
-            out_info = call.output("out", out)
-            _check_like("out", out_info, problem.q)
-            check_alignment("out", out_info)
-        lse, lse_info = call.empty((shape.nheads, problem.q.shape[0]), "float32")
-        if not problem.covers_all_rows:
-            _fill(call, out_info, 0)
-            _fill(call, lse_info, np.inf)
+        out, out_info, lse, lse_info = _outputs(call, out, q, problem)
         if shape.seqlen_q > 0:
             launch.forward(*(as_batched(i, shape.batch, m) for i, m in ((problem.q, shape.seqlen_q),
                                                                          (problem.k, shape.seqlen_k),
@@ -328,6 +315,33 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            as_batched(out_info, shape.batch, shape.seqlen_q), lse_info, shape, causal,
                            call.device_id, call.stream, features=features)
         return call.result(out), call.result(lse)
+
+
+def _cu_seqlens(call, cu_seqlens_q, cu_seqlens_k) -> list:
+    """[(info, host values)] of the two cu_seqlens arrays (GPU arrays; a small copy for the checks)."""
+    cu = []
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if interop.framework_of(x, name) == "numpy":
+            raise TypeError(f"{name}: expected a GPU array like q, got a NumPy array")
+        cu.append((call.tensor(name, x), call.to_cupy(name, x).get()))
+    return cu
+
+
+def _outputs(call, out, q, problem):
+    """(out, its info, lse, its info) of a varlen forward: the caller's out (checked) or a new one,
+    and rows outside every sequence set to output 0 and LSE +inf."""
+    shape = problem.shape
+    if out is None:
+        out, out_info = call.empty(problem.q.shape, shape.dtype, like=q)
+    else:
+        out_info = call.output("out", out)
+        _check_like("out", out_info, problem.q)
+        check_alignment("out", out_info)
+    lse, lse_info = call.empty((shape.nheads, problem.q.shape[0]), "float32")
+    if not problem.covers_all_rows:
+        _fill(call, out_info, 0)
+        _fill(call, lse_info, np.inf)
+    return out, out_info, lse, lse_info
 
 
 def _paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
@@ -342,25 +356,12 @@ def _paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         if interop.framework_of(block_table, "block_table") == "numpy":
             raise TypeError("block_table: expected a GPU array like q, got a NumPy array")
         table = call.tensor("block_table", block_table)
-        cu = []
-        for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if interop.framework_of(x, name) == "numpy":
-                raise TypeError(f"{name}: expected a GPU array like q, got a NumPy array")
-            cu.append((call.tensor(name, x), call.to_cupy(name, x).get()))  # host copy for the checks
+        cu = _cu_seqlens(call, cu_seqlens_q, cu_seqlens_k)
         problem = validate_paged_varlen(*infos, table, softmax_scale, *cu[0], *cu[1], max_seqlen_q, max_seqlen_k)
         shape = problem.shape
         features = dataclasses.replace(gpu_features(call, shape, infos[0].device, window, softcap, alibi_slopes),
                                        cu_seqlens_q=cu[0][0], cu_seqlens_k=cu[1][0], total_q=q.shape[0])
-        if out is None:
-            out, out_info = call.empty(problem.q.shape, shape.dtype, like=q)
-        else:
-            out_info = call.output("out", out)
-            _check_like("out", out_info, problem.q)
-            check_alignment("out", out_info)
-        lse, lse_info = call.empty((shape.nheads, problem.q.shape[0]), "float32")
-        if not problem.covers_all_rows:
-            _fill(call, out_info, 0)
-            _fill(call, lse_info, np.inf)
+        out, out_info, lse, lse_info = _outputs(call, out, q, problem)
         from .kvcache import paged_varlen_forward
 
         paged_varlen_forward(call, problem.q, problem.k, problem.v, out_info, lse_info, problem.block_table, shape,
