@@ -151,19 +151,30 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
         if (dropping) {
             static_assert(Tr::kQTiles * 4 <= 32, "one bit per fragment entry");
             // This lane's keys lane / 4 and lane / 4 + 8 of one query share a Philox block (a block
-            // holds keys 32 g + 8 t + 2 j + e, t = 0..3: philox.cuh), so one draw serves both.
+            // holds keys 32 g + 8 t + 2 j + e, t = 0..3: philox.cuh), and so do the keys of lane ^ 4
+            // (lane / 4 differs in its last bit: the same j). Each of the two lanes therefore draws
+            // the block of one of its two queries (column e = its lane / 4 parity) and hands it to
+            // the other: one draw per four entries instead of two.
             const int key_lo = key0 + warp * 16 + lane / 4;
+            const int e_mine = (lane >> 2) & 1;
 #pragma unroll
-            for (int nt = 0; nt < Tr::kQTiles; ++nt)
+            for (int nt = 0; nt < Tr::kQTiles; ++nt) {
+                const Philox4 mine = drop.block(m_block * kBlockM + nt * 8 + (lane % 4) * 2 + e_mine, key_lo, bh);
+                Philox4 theirs;
+#pragma unroll
+                for (int w = 0; w < 4; ++w) theirs.x[w] = shfl_xor_u32(mine.x[w], 4);
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const Philox4 rnd = drop.block(m_block * kBlockM + nt * 8 + (lane % 4) * 2 + e, key_lo, bh);
+                    Philox4 r;  // selected word by word: a run-time choice of struct would go to local memory
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) r.x[w] = e == e_mine ? mine.x[w] : theirs.x[w];
                     bool keep[2];
-                    drop.keep_pair(rnd, key_lo, keep);
+                    drop.keep_pair(r, key_lo, keep);
 #pragma unroll
                     for (int hi = 0; hi < 2; ++hi)
                         if (!keep[hi]) kept &= ~(1u << (nt * 4 + 2 * hi + e));
                 }
+            }
         }
         auto drop_p = [&]() {
 #pragma unroll

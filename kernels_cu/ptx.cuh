@@ -104,6 +104,7 @@ CF_DEVICE int opaque_int(int x) {
     return y;
 }
 CF_DEVICE float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+CF_DEVICE u32 shfl_xor_u32(u32 v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
 #define CF_INF __int_as_float(0x7f800000)
 
