@@ -3,7 +3,7 @@
 A training loop makes the same attention call every step: the same shapes, strides, dtypes and
 options, with new buffer addresses. The full path (describe, validate, choose the config, build the
 kernel arguments) costs a few hundred Python operations, 210-380 us per call on the H200 machine's
-CPU, as long as the forward kernels take at seqlen 512 (tests/host_cost.py). So after a full-path
+CPU, as long as the forward kernels take at seqlen 512 (benchmarks/host_cost.py). So after a full-path
 call of a plain forward or backward (no ALiBi, dropout or varlen; window and softcap are fine) whose
 inputs were used as given (no copy on the way), its launches are recorded once with stand-in
 addresses and kept under the call's key (kvcache_step.call_key: the framework, every array's

@@ -330,7 +330,7 @@ def _check_dtype(dtype: str) -> None:
 def groups_per_chunk(groups: int, blocks: int, slots: int) -> int:
     """G of the grouped grid order (KernelConfig.grouped_grid): the fewest groups whose blocks fill
     one wave of `slots`, so the last wave holds the short blocks of the last chunk (a list-scheduling
-    model of the tail: tests/schedule_model.py) while the blocks running at once touch few groups'
+    model of the tail: benchmarks/schedule_model.py) while the blocks running at once touch few groups'
     data; taken among the divisors of `groups` (chunks alike: a smaller last chunk would start its
     long blocks late), and large enough for grid z to hold the chunks."""
     least = max(-(-slots // blocks), -(-groups // MAX_GRID_YZ), 1)

@@ -6,7 +6,7 @@ torch.compile(fullgraph=True) can trace through them.
 
 Eager calls (not under torch.compile) take a torch.autograd.Function around the same
 implementations instead: the custom-op dispatch with registered autograd costs about 170-180 us of
-Python per differentiable call, the Function 25-34 us (tests/bench_torch_dispatch.py, CPU), which
+Python per differentiable call, the Function 25-34 us (benchmarks/bench_torch_dispatch.py, CPU), which
 at short sequences is more than the kernels take. Both paths run the same code on the same stream.
 """
 

@@ -2,7 +2,7 @@
 (no gradients) and a training step (forward + backward through autograd), by the eager path (the
 torch.autograd.Function that eager calls take) and by the custom ops (what torch.compile sees),
 next to torch SDPA's flash backend (FA2) on the same tensors. FA2's grid: batch * seqlen = 16k,
-model dim 2048. Usage: python tests/bench_torch_api.py [--seqlens 512,1024] [--head-dims 64,128,256]
+model dim 2048. Usage: python benchmarks/bench_torch_api.py [--seqlens 512,1024] [--head-dims 64,128,256]
 [--json FILE]"""
 
 import argparse

@@ -9,7 +9,7 @@ OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 if [[ -z "${SKIP_SUITE:-}" ]]; then
-    SKIP_BENCH=1 OUT=$OUT bash tests/gpu_suite.sh > "$OUT/suite.out" 2>&1
+    SKIP_BENCH=1 OUT=$OUT bash scripts/gpu_suite.sh > "$OUT/suite.out" 2>&1
     tail -3 "$OUT/suite.out"
 fi
 base=${AB_DIR:-}
@@ -17,12 +17,12 @@ if [[ -z "$base" ]]; then
     base=$(mktemp -d)/kernels_cu
     git archive "${AB_REF:-HEAD}" kernels_cu | tar -x -C "${base%/kernels_cu}"
 fi
-python tests/ab_forward.py "$base" --head-dims "${AB_DIMS:-32,64,96,128,160,224,256}" --rounds 3 \
+python benchmarks/ab_forward.py "$base" --head-dims "${AB_DIMS:-32,64,96,128,160,224,256}" --rounds 3 \
     2>&1 | tee "$OUT/ab.log" | cut -c1-90
 # SWEEPS: "head_dim=tile;tile ..." items (tiles as block_m,block_n,warps,stages), space-separated.
 for item in ${SWEEPS:-128=128,64,4,2;128,128,8,2 256=128,64,8,2;128,32,8,2}; do
     dim=${item%%=*}
-    python tests/bench_kernels.py --modes fwd --head-dims "$dim" --seqlens "${SWEEP_SEQLENS:-1024,4096,16384}" \
+    python benchmarks/bench_kernels.py --modes fwd --head-dims "$dim" --seqlens "${SWEEP_SEQLENS:-1024,4096,16384}" \
         --sweep --tiles "${item#*=}" --json "$OUT/sweep-d$dim.json" > "$OUT/sweep-d$dim.log" 2>&1
     tail -7 "$OUT/sweep-d$dim.log"
 done

@@ -1,11 +1,11 @@
 """A/B of the forward kernels against an older copy of kernels_cu/, same process, interleaved.
 
-Usage: python tests/ab_forward.py OLD_KERNELS_DIR[,OTHER_DIR...] [--head-dims 64,128,256] [--seqlen 4096] [--rounds 3]
+Usage: python benchmarks/ab_forward.py OLD_KERNELS_DIR[,OTHER_DIR...] [--head-dims 64,128,256] [--seqlen 4096] [--rounds 3]
 Each default tile is compiled from this tree and from every listed source tree and timed in turn
 (new, old, other, new, ...), so clock drift hits every side alike; prints kernel-only TFLOP/s and
 each tree's figure over the first old tree's. The old trees' kernels are launched by this tree's
 host code, so they must keep its launch contract (since 1666d69: causal grids in the grouped
-order, nheads as the last argument); to compare host changes too, use tests/ab_trees.py.
+order, nheads as the last argument); to compare host changes too, use benchmarks/ab_trees.py.
 """
 
 import argparse

@@ -14,7 +14,7 @@ for case in ${CASES:-256:full}; do
     SEQLEN=$seqlen ncu --clock-control none -k regex:'flash_fwd' \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis \
-        python tests/profile_fwd.py "$1" "$2" > "$log" 2>&1
+        python scripts/profile_fwd.py "$1" "$2" > "$log" 2>&1
     echo "d$1 $2 seqlen $seqlen: exit $?"
     grep -E "^  [a-z_: ]*(flash|void)|Duration|Waves Per SM|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Warp Per|No Eligible|L2 Hit Rate|Stall" \
         "$log" | sed 's/(const.*//' | cut -c1-120

@@ -1,7 +1,7 @@
 """Host-side cost of one call (what a decoding loop pays per token): wall time per call for
 back-to-back calls with CuPy's launcher, with the packed-argument launch and (decoding) with the
 fast path of a known call signature, and a cProfile (of the last) of where
-the Python time goes. Usage: python tests/profile_calls.py
+the Python time goes. Usage: python scripts/profile_calls.py
 [decode|decode-torch|forward|forward-torch|train-torch ...]"""
 
 import cProfile

@@ -1,6 +1,6 @@
 """Python cost per call of the ways to put a kernel behind torch autograd, with a trivial body (two
 empty outputs) on CPU tensors, so only the dispatch is timed (no GPU needed):
-    python tests/bench_torch_dispatch.py
+    python benchmarks/bench_torch_dispatch.py
 a torch.library custom op with registered autograd (what cuflash2's torch ops are), the same op
 without gradients, a torch.autograd.Function, and the bare body.
 """

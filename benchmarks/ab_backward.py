@@ -1,6 +1,6 @@
 """A/B of the backward main kernels against an older copy of kernels_cu/, same process, interleaved.
 
-Usage: python tests/ab_backward.py OLD_KERNELS_DIR[,OTHER_DIR...] [--head-dims 64,128,256] [--seqlen 4096] [--rounds 3]
+Usage: python benchmarks/ab_backward.py OLD_KERNELS_DIR[,OTHER_DIR...] [--head-dims 64,128,256] [--seqlen 4096] [--rounds 3]
 The default plan's main kernels (fused or not) are compiled from both source trees and the whole
 backward pass is timed alternately (new, old, new, ...); the old tree must keep the host contract
 (shared memory, accumulator layout). Prints kernel-level TFLOP/s and the new / old ratio.

@@ -10,7 +10,7 @@ for case in ${CASES:-128:causal 64:full}; do  # head_dim:causal|full
     set -- ${case/:/ }
     SEQLEN=${SEQLEN:-1024} ncu --clock-control none -k regex:'flash_bwd|dq_dk_dv|dot_do_o|convert' \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
-        python tests/profile_bwd.py "$1" "$2" fused-only > "$OUT/ncu-short-d$1-$2.txt" 2>&1
+        python scripts/profile_bwd.py "$1" "$2" fused-only > "$OUT/ncu-short-d$1-$2.txt" 2>&1
     echo "d$1 $2: exit $?"
     grep -E "^  [a-z_: ]*(flash|void)|Duration|Waves Per SM|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput" \
         "$OUT/ncu-short-d$1-$2.txt" | sed 's/(const.*//' | cut -c1-110

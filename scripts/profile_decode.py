@@ -1,7 +1,7 @@
 """ncu driver for one-token decoding: a few flash_attn_with_kvcache calls on the decode benchmark's
 problem (32 query / 8 kv heads, head dim 128, bf16). Usage:
     ncu --clock-control none --kernel-name regex:kvcache|decode|combine --launch-skip 4 --launch-count 2 \
-        python tests/profile_decode.py BATCH KV_LEN [NUM_SPLITS]"""
+        python scripts/profile_decode.py BATCH KV_LEN [NUM_SPLITS]"""
 
 import sys
 

@@ -18,7 +18,7 @@ OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 if [[ "${PART:-suite}" == all ]]; then
-    SKIP_BENCH=1 OUT=$OUT bash tests/gpu_suite.sh > "$OUT/suite.out" 2>&1
+    SKIP_BENCH=1 OUT=$OUT bash scripts/gpu_suite.sh > "$OUT/suite.out" 2>&1
     tail -4 "$OUT/suite.out"
     grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20
     PART=grid GRID_SEQLENS=${GRID_SEQLENS:-512,1024,2048,4096,8192,16384} OUT=$OUT bash "$0"
@@ -43,19 +43,19 @@ elif [[ "${PART:-suite}" == cli ]]; then
     done
     exit 0
 elif [[ "${PART:-suite}" == suite ]]; then
-    SKIP_BENCH=1 OUT=$OUT bash tests/gpu_suite.sh > "$OUT/suite.out" 2>&1
+    SKIP_BENCH=1 OUT=$OUT bash scripts/gpu_suite.sh > "$OUT/suite.out" 2>&1
     tail -4 "$OUT/suite.out"
     grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20
 elif [[ "${PART}" == grid ]]; then
-    python tests/bench_kernels.py --modes fwd,bwd --head-dims "${GRID_DIMS:-64,128,256}" \
+    python benchmarks/bench_kernels.py --modes fwd,bwd --head-dims "${GRID_DIMS:-64,128,256}" \
         --seqlens "${GRID_SEQLENS:-1024,4096,16384}" --json "$OUT/grid.json" > "$OUT/grid.log" 2>&1
     grep -A80 "^mode" "$OUT/grid.log"
-    OUT=$OUT bash tests/sanitize.sh
+    OUT=$OUT bash scripts/sanitize.sh
     exit 0
 else
-    OUT=$OUT bash tests/sanitize.sh
+    OUT=$OUT bash scripts/sanitize.sh
 fi
 python -m cuflash2 bench --decode --compare torch-flash,torch-cudnn > "$OUT/decode.log" 2>&1
 tail -42 "$OUT/decode.log"
-python tests/profile_calls.py decode decode-torch > "$OUT/profile_calls.log" 2>&1
+python scripts/profile_calls.py decode decode-torch > "$OUT/profile_calls.log" 2>&1
 grep "wall per call" "$OUT/profile_calls.log"

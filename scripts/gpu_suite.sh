@@ -2,7 +2,7 @@
 # GPU test suite + benchmarks in one go (for a machine with a CUDA GPU, run from the repo root).
 # Logs go to $OUT (default ./gpu-logs).
 #   PYTEST_ARGS  extra pytest arguments (e.g. "-k forward" or a list of test files)
-#   BENCH_ARGS   arguments of tests/bench_kernels.py; SKIP_BENCH=1 skips the benchmark
+#   BENCH_ARGS   arguments of benchmarks/bench_kernels.py; SKIP_BENCH=1 skips the benchmark
 #   JOBS         processes for the parallel kernel compile that fills the cache first (default: nproc)
 set -u
 OUT=${OUT:-gpu-logs}
@@ -19,5 +19,5 @@ start=$SECONDS
 python -m pytest tests -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 echo "pytest: $((SECONDS - start)) s" | tee -a "$OUT/gpu.txt"
 if [[ -z "${SKIP_BENCH:-}" ]]; then
-    python tests/bench_kernels.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    python benchmarks/bench_kernels.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 fi

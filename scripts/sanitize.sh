@@ -5,10 +5,10 @@ set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-python tests/sanitize_driver.py > /dev/null  # compile (and cache) the kernels outside the sanitizer
+python scripts/sanitize_driver.py > /dev/null  # compile (and cache) the kernels outside the sanitizer
 status=0
 for tool in memcheck racecheck synccheck initcheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 python tests/sanitize_driver.py > "$OUT/sanitize-$tool.log" 2>&1
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python scripts/sanitize_driver.py > "$OUT/sanitize-$tool.log" 2>&1
     rc=$?
     echo "$tool: exit $rc, $(grep -c '^ok' "$OUT/sanitize-$tool.log") cases; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)"
     [ $rc -eq 0 ] || status=1

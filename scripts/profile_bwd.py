@@ -1,7 +1,7 @@
 """One backward pass each of cuflash2 (default plan, the atomic-dQ plan, the fused plan) and torch's FA2, for a
 profiler to attach to (d128, seqlen 4k or $SEQLEN with batch x seqlen = 16k, bf16 unless told otherwise):
     ncu --clock-control none -k regex:'flash_bwd|dq_dk_dv' \\
-        --section SpeedOfLight --section WarpStateStats python tests/profile_bwd.py [head_dim] [causal|full] [fused-only]
+        --section SpeedOfLight --section WarpStateStats python scripts/profile_bwd.py [head_dim] [causal|full] [fused-only]
 """
 
 import math

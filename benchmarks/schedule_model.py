@@ -13,7 +13,7 @@ and add to the dQ of as many groups, BENCHMARKS.md performance log item 34). Wor
 iteration (a key block for the forward, a query block for the backward), plus `--fixed` units per
 block for its prologue and epilogue.
 
-Usage: python tests/schedule_model.py [--sms 132] [--fixed 1]
+Usage: python benchmarks/schedule_model.py [--sms 132] [--fixed 1]
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Split-KV sweep of one-token decoding: GB/s of K+V for each num_splits at a few batch / cache
 lengths (32 query / 8 kv heads, head dim 128, bf16), next to the automatic choice (0), each checked
-against the unsplit output. Usage: python tests/bench_decode_splits.py"""
+against the unsplit output. Usage: python benchmarks/bench_decode_splits.py"""
 
 import cupy as cp
 import numpy as np

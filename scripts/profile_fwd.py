@@ -1,7 +1,7 @@
 """One forward pass each of cuflash2 (default tile) and torch's FA2 on the same inputs, for a profiler
 to attach to (seqlen 4k or $SEQLEN with batch x seqlen = 16k, bf16, 2048 model dim):
     ncu --clock-control none -k regex:flash_fwd --section SpeedOfLight --section WarpStateStats \\
-        python tests/profile_fwd.py [head_dim] [causal]
+        python scripts/profile_fwd.py [head_dim] [causal]
 """
 
 import os

@@ -1,6 +1,6 @@
 """Forward/backward benchmark (+ forward tile sweep) on the GPU, next to torch SDPA (flash, cuDNN)
 in the same run, each point timed in rounds that rotate the order of the implementations (medians).
-Usage: python tests/bench_kernels.py [--sweep] [--seqlens 4096] [--modes fwd,bwd] [--rounds 3]
+Usage: python benchmarks/bench_kernels.py [--sweep] [--seqlens 4096] [--modes fwd,bwd] [--rounds 3]
 """
 
 import argparse

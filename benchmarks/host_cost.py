@@ -1,6 +1,6 @@
 """Host (Python) cost per call of each layer of cuflash2's forward and backward, next to torch SDPA's
 flash backend, on a problem so small that the GPU work (a few microseconds) hides nothing: the wall
-time per call of back-to-back calls is then the host's. Usage: python tests/host_cost.py [--calls N]
+time per call of back-to-back calls is then the host's. Usage: python benchmarks/host_cost.py [--calls N]
 """
 
 import argparse

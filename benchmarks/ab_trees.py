@@ -1,7 +1,7 @@
 """A/B of two whole checkouts (host code and kernels), for changes the kernel-only A/B tools cannot
 compare because the launch itself differs (grid shape, plan choice).
 
-Usage: python tests/ab_trees.py TREE_A TREE_B [--seqlens 512,...,16384] [--head-dims 64,128,256]
+Usage: python benchmarks/ab_trees.py TREE_A TREE_B [--seqlens 512,...,16384] [--head-dims 64,128,256]
                                 [--causal both|yes|no] [--modes fwd,bwd] [--rounds 3]
 Each TREE holds a `cuflash2/` package and its `kernels_cu/`. Every round runs one process per tree,
 alternately (A, B, A, B, ...), so drift hits both alike; each process times the default forward

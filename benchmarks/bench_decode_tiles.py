@@ -1,5 +1,5 @@
 """Tile sweep of the KV-cache (decoding) kernel: GB/s of K+V per tile shape at a few batch / cache
-lengths, each checked against the default tile's output. Usage: python tests/bench_decode_tiles.py"""
+lengths, each checked against the default tile's output. Usage: python benchmarks/bench_decode_tiles.py"""
 
 import cupy as cp
 import numpy as np
