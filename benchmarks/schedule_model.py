@@ -9,7 +9,7 @@ grouped order the kernels now use for causal grids (longest-first across chunks 
 one wave: config.groups_per_chunk, BlockGrid in kernels_cu/block_mask.cuh) and of a global
 longest-first order with the ideal (total work / slots). It knows nothing of caches: the global
 order measured 0.78-0.97x on the causal backward (the blocks running at once then read the Q/dO
-and add to the dQ of as many groups, BENCHMARKS.md performance log item 34). Work unit: one inner-loop
+and add to the dQ of as many groups; docs/design-notes.md, 'Causal grid order'). Work unit: one inner-loop
 iteration (a key block for the forward, a query block for the backward), plus `--fixed` units per
 block for its prologue and epilogue.
 

@@ -348,7 +348,7 @@ def groups_per_chunk(groups: int, blocks: int, slots: int) -> int:
 # fp32 output accumulator then costs head_dim registers, so large head dims go to 8 warps. Head dim
 # 128 keeps 4 warps x 32 rows with 64-key blocks (FA2's tile) through FwdTraits::kTightRegisters:
 # shared-memory row sums, cursors rebuilt per key block and a separate masked loop make it
-# spill-free at 255 registers (BENCHMARKS.md, performance log item 16).
+# spill-free at 255 registers (docs/design-notes.md, 'Forward tiles').
 _FWD_TILES_LARGE_SMEM = {
     32: (128, 128, 4, 2),
     64: (128, 64, 4, 3),
@@ -381,15 +381,15 @@ _FWD_VARIANT_TILES_SMALL_SMEM = {32: (128, 64, 8, 2), 64: (128, 64, 8, 2),
                                  224: (64, 32, 4, 2)}  # as above; 64x64 spills on sm_86
 # Causal head dim 256 with query and key lengths up to 2k (sm_90 only: measured there): FA2's 64x64
 # 4-warp tile, two blocks per SM, measured 1.12x (seqlen 512), 1.11x (1k) and 1.06x (2k) the 128x64
-# 8-warp tile's TFLOP/s (H200, kernels alone, rotating rounds; BENCHMARKS.md, performance log item
-# 35), 1.01x at 4k and 0.95-0.97x at 8k-16k. Longer keys mean longer blocks, hence the key length
+# 8-warp tile's TFLOP/s (H200, kernels alone, rotating rounds; docs/design-notes.md, 'Forward
+# tiles'), 1.01x at 4k and 0.95-0.97x at 8k-16k. Longer keys mean longer blocks, hence the key length
 # counts too.
 # Head dims 160 and 192 likewise (below).
 _FWD_SHORT_CAUSAL_TILES_SM90 = {160: (64, 64, 4, 2), 192: (64, 64, 4, 2), 256: (64, 64, 4, 2)}
 FWD_SHORT_SEQLEN = 2048
 # Non-causal head dim 256 on sm_90 takes the same tile at every length: measured 1.035x (seqlen
 # 512), 1.05x (2k), 1.02x (4k), 1.017x (8k) and 1.007x (16k) the 128x64 8-warp tile (H200, kernels
-# alone, rotating rounds; BENCHMARKS.md, performance log item 36). Every key block is full there,
+# alone, rotating rounds; docs/design-notes.md, 'Forward tiles'). Every key block is full there,
 # so two 4-warp blocks per SM keep the tensor cores busier than one 8-warp block.
 _FWD_FULL_TILES_SM90 = {256: (64, 64, 4, 2)}
 # Head dims 160 and 192 on sm_90: 128x128 with 8 warps (spill-free since the 12-chunk registers
@@ -397,8 +397,8 @@ _FWD_FULL_TILES_SM90 = {256: (64, 64, 4, 2)}
 # 4-warp tile (above). Against the 64x64 tile, d192 measured 1.015x (seqlen 512), 1.04x (1k),
 # 1.02x (2k), 1.085x (4k), 1.07x (8k) and 1.09x (16k) non-causal; causal 0.93x, 0.97x, 0.99x
 # below 2k and 1.025x, 1.07x, 1.09x at 4k-16k. d160: 1.00x (1k), 1.04x (4k), 1.03x (16k)
-# non-causal, causal 0.97x, 1.00x, 1.03x (H200, kernels alone; BENCHMARKS.md, performance log
-# item 44). The 64x64 tile itself measured 1.03-1.14x the 128x64 8-warp tile (item 42).
+# non-causal, causal 0.97x, 1.00x, 1.03x (H200, kernels alone; docs/design-notes.md,
+# 'Forward tiles'). The 64x64 tile itself measured 1.03-1.14x the 128x64 8-warp tile.
 _FWD_TILES_SM90 = {160: (128, 128, 8, 2), 192: (128, 128, 8, 2)}
 # Causal grids hold a sequence's query blocks in grid y (at most MAX_GRID_YZ; launch.py raises past
 # it): the longest causal call a 64-row tile could serve. On sm_90 only calls up to FWD_SHORT_SEQLEN
@@ -450,14 +450,14 @@ _KVCACHE_TILES = {32: (64, 128, 4, 3), 64: (64, 128, 4, 3), 96: (64, 64, 4, 3), 
 
 # One-token decoding puts a GQA group of query heads in the rows of one block. Groups of 17-32 rows
 # take a 32-row block of 2 warps: fewer wasted tensor-core rows than 64, and 2 blocks per SM. At
-# head dim 128 it measured 1.01-1.40x the 64-row tile's bandwidth (H200; BENCHMARKS.md, item 12).
+# head dim 128 it measured 1.01-1.40x the 64-row tile's bandwidth (H200; docs/design-notes.md, 'Decoding').
 _KVCACHE_SHORT_TILES = {128: (32, 128, 2, 3)}
 KVCACHE_SHORT_ROWS = 32
 
 # Up to 16 query rows (one-token decoding with GQA groups up to 16, or short chunks) go to the
 # decoding kernel, whose warps split each K/V tile's keys instead of the rows (flash_fwd.cu,
 # flash_fwd_decode_kernel): (block_n, warps, stages), 16 rows each. At head dim 128 it measured
-# 1.02-1.12x the 32-row tile's bandwidth (H200; BENCHMARKS.md, log item 23).
+# 1.02-1.12x the 32-row tile's bandwidth (H200; docs/design-notes.md, 'Decoding').
 _DECODE_TILES = {64: (128, 4, 3), 128: (128, 4, 3), 256: (64, 4, 3)}
 DECODE_ROWS = 16
 
@@ -589,10 +589,10 @@ def _bwd_main(dtype, bucket, block_m, causal, variant, flags, arch, max_stages=2
 
 
 # Main-kernel tiles (block_m, warps, max Q/dO stages) when dQ is accumulated by the main kernel
-# (fp32 partial sums staged in shared memory, added to global memory by one bulk reduction per
-# query block). Eight warps = 128 keys per block halve the dQ traffic per MMA against four warps;
-# head dims 64 and 128 are the best of the H200 sweep in BENCHMARKS.md (d128: 207 TFLOP/s with two
-# Q/dO stages, 185 with one, 191 with 4 warps; seqlen 4k).
+# (fp32 partial sums staged in shared memory, added to global memory by one bulk reduction per query
+# block). Eight warps = 128 keys per block halve the dQ traffic per MMA against four warps; head
+# dims 64 and 128 are the best of the H200 sweep (docs/design-notes.md, 'Backward plans and dQ';
+# d128: 207 TFLOP/s with two Q/dO stages, 185 with one, 191 with 4 warps; seqlen 4k).
 _BWD_ATOMIC_TILES = {32: (64, 8, 2), 64: (64, 8, 2), 96: (32, 4, 1), 128: (32, 8, 2)}
 _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 
@@ -601,10 +601,10 @@ _BWD_ATOMIC_SPLIT_DK_TILE = (64, 8, 1)
 # group, so buckets 160 and 224 run the 192 and 256 instantiations on zero-padded columns.
 FUSED_BWD_HEAD_DIMS = (64, 96, 128, 160, 192, 224, 256)
 _FUSED_BWD_WIDTH = {160: 192, 224: 256}
-# Buckets where the fused kernel is the default (H200, BENCHMARKS.md): at 128 it measured 1.03-1.32x
-# the two-kernel plan (seqlen 1k-4k), 1.08-1.38x at head dim 120 (padded columns); at 64 1.07-1.09x
-# (0.98x causal at seqlen 1k); at 160-256 1.06-1.45x the plan that splits dV from dK; at 96 (16-row
-# dQ warps) 1.15-1.50x the dQ-kernel plan, seqlen 512-16k (performance log item 43).
+# Buckets where the fused kernel is the default (H200, docs/design-notes.md, 'Backward plans and
+# dQ'): at 128 it measured 1.03-1.32x the two-kernel plan (seqlen 1k-4k), 1.08-1.38x at head dim 120
+# (padded columns); at 64 1.07-1.09x (0.98x causal at seqlen 1k); at 160-256 1.06-1.45x the plan
+# that splits dV from dK; at 96 (16-row dQ warps) 1.15-1.50x the dQ-kernel plan, seqlen 512-16k.
 FUSED_BWD_DEFAULT_BUCKETS = FUSED_BWD_HEAD_DIMS
 
 
@@ -647,7 +647,8 @@ def backward_plan(head_dim: int, dtype: str, causal: bool, arch: int, determinis
     split: produce dV and (dK, dQ) in two launches (default: only above head dim 128).
     atomic_dq: accumulate dQ inside the main kernel (fp32 bulk reductions into a global accumulator,
     sm_90 only) instead of running the dQ kernel, which recomputes S and dP but is deterministic.
-    Off by default: on the H200 both plans measure within about +-6% of each other (BENCHMARKS.md).
+    Off by default: on the H200 both plans measure within about +-6% of each other (docs/design-notes.md,
+    'Backward plans and dQ').
     variant: the kernels with varlen / window / softcap / ALiBi support.
     tile: (block_m, warps, stages) of the main kernel producing dK (tuning only; the fused kernel
     takes block_m only).

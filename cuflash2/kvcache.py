@@ -80,7 +80,8 @@ def split_slots_per_sm(config: KernelConfig) -> int:
     """Thread blocks per SM that split-KV aims to fill. The row-split KV-cache tiles fit 2 per SM
     and need both to reach full bandwidth. One block of the decoding kernel (4 warps over the keys)
     per SM already reads at full bandwidth: splitting further only adds partial results and the
-    combine (measured: batch 16 at 2k-8k keys, 1 split 1.05-1.23x 2 splits; BENCHMARKS.md)."""
+    combine (measured: batch 16 at 2k-8k keys, 1 split 1.05-1.23x 2 splits; docs/design-notes.md,
+    'Decoding')."""
     return 1 if config.kernel == FWD_DECODE else 2
 
 

@@ -48,9 +48,10 @@ struct FusedBwdTraits {
     using DqCols = ColumnShare<kDqTiles, kDqColGroups, SwizzledTile<kBlockN, kHeadDim>::kChunksPerRow>;
     // Head dim 64: P^T stays in registers (16-bit) through the dP product, for dS^T, and masking
     // waits until after the exponentials, so that no branch separates those from the S^T product:
-    // the compiler then overlaps the exponentials with the product's MMAs, as FA2's build does (ncu:
-    // the exponentials ran as a phase of their own while the tensor cores idled; 1.035-1.067x, log
-    // item 30). Above 64 that spills or measured slower (d128: 0.97x); there dS^T reads P^T back.
+    // the compiler then overlaps the exponentials with the product's MMAs, as FA2's build does
+    // (ncu: the exponentials ran as a phase of their own while the tensor cores idled;
+    // 1.035-1.067x; docs/design-notes.md, 'Backward pipeline'). Above 64 that spills or measured
+    // slower (d128: 0.97x); there dS^T reads P^T back.
     static constexpr bool kPInRegisters = kHeadDim <= 64;
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
@@ -69,13 +70,14 @@ struct FusedBwdTraits {
     static constexpr int kDqPadBytes =
         kOwnDqBuffersBase + 2 * kBlockM * 16 <= kSmemLimit && kOwnDqBuffersBase + 2 * kBlockM * 32 > kSmemLimit ? 16 : 32;
     static constexpr int kDqRowBytes = kHeadDim * 4 + kDqPadBytes;
-    // dQ staging: two fp32 buffers of its own where they fit next to K, V, two Q/dO stages and
-    // P^T / dS^T (kDqBuffers = 2: d128), one where only one fits (d64 with 128-row blocks:
-    // 32 + 66 + 64 + 36 KB; d192), else over the stage just consumed (kDqInStage, d256: 64 + 129 +
-    // 16 KB leave no room: its Q, dO, LSE and D bytes take the fp32 dQ rows, the padding a little
-    // more; one barrier more per block, before dQ). With one buffer or in-stage, the copy engine
-    // must have read the previous block's dQ out before the P/dS barrier (see the loop). One buffer
-    // instead of in-stage measured 1.03-1.04x at d64 and 1.07-1.09x at d192 (log item 32).
+    // dQ staging: two fp32 buffers of its own where they fit next to K, V, two Q/dO stages and P^T
+    // / dS^T (kDqBuffers = 2: d128), one where only one fits (d64 with 128-row blocks: 32 + 66 + 64
+    // + 36 KB; d192), else over the stage just consumed (kDqInStage, d256: 64 + 129 + 16 KB leave
+    // no room: its Q, dO, LSE and D bytes take the fp32 dQ rows, the padding a little more; one
+    // barrier more per block, before dQ). With one buffer or in-stage, the copy engine must have
+    // read the previous block's dQ out before the P/dS barrier (see the loop). One buffer instead
+    // of in-stage measured 1.03-1.04x at d64 and 1.07-1.09x at d192 (docs/design-notes.md, 'dQ
+    // staging').
     static constexpr int kDqBufferBytes = kBlockM * kDqRowBytes;
     static constexpr int kDqBuffers = kFixedBytes + 2 * kPlainStageBytes + 2 * kDqBufferBytes <= kSmemLimit ? 2
                                       : kFixedBytes + 2 * kPlainStageBytes + kDqBufferBytes <= kSmemLimit  ? 1
@@ -103,7 +105,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     // more independent accumulators per k-step (the product is latency-bound with 2 tiles) and
     // reload the dS fragments less often, but keep more registers live: 4 tiles measured 1.04-1.10x
     // at head dims 64 and 128 once the P^T / dS^T stores (stmatrix) and the loop-invariant addresses
-    // stopped taking registers (BENCHMARKS.md, log item 26). Warps of 6 tiles (head dims 96 and 192)
+    // stopped taking registers (docs/design-notes.md, 'dQ staging'). Warps of 6 tiles (head dims 96 and 192)
     // take all 6 in one pass: in 3 passes of 2 the d192 product re-read its dS fragments 3 times
     // (13.6% more ldmatrix than FA2's kernel under ncu), and one pass still compiles spill-free.
     constexpr int kDqChunk = Tr::kDqTiles % 4 == 0 ? 4 : Tr::kDqTiles;
@@ -158,7 +160,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     // P^T need), then V with its dO and D, which land while the first S^T product runs. Measured
     // about 1.01x (1.01-1.03x at head dim 256) from seqlen 512 to 8k against one group; not taken
     // for non-causal head dims 64 and 128, whose loops the compiler then scheduled worse (0.98-0.99x
-    // at 4k; BENCHMARKS.md, performance log item 37).
+    // at 4k; docs/design-notes.md, 'Backward pipeline').
     if (kSplitPrologue && m_begin < m_end) {
         const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> q_loader(tid, q_row_stride);
         const TileLoader<typename Tr::QTile, kBlockM, kHeadDim, Tr::kThreads> do_loader(tid, do_row_stride);
@@ -311,7 +313,7 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         // in-stage, since the wait for the reduction reading it, above), and lands while dV, dK
         // and dQ are computed. Issued at the top of the iteration instead, the loads' address
         // registers held up the S^T product (ncu: the largest long-scoreboard stalls of the
-        // head-dim-128 kernel); here 1.06-1.10x at d128 (log item 31).
+        // head-dim-128 kernel); here 1.06-1.10x at d128 (docs/design-notes.md, 'Backward pipeline').
         load_query_block(m_block + 1);
 
         const auto do_as_b = dkv_b_operand(do_smem), q_as_b = dkv_b_operand(q_smem);

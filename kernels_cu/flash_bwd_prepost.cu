@@ -37,15 +37,16 @@ flash_bwd_dot_do_o_kernel(const u16* __restrict__ dout, const u16* __restrict__ 
     if (active && lane8 == 0) delta[((i64)batch * nheads + head) * seqlen_q + row] = acc;
 }
 
-// out[b, s, h, c] = scale * sum_{g < group} acc[b, s, h * group + g, c] for an fp32 accumulator with
-// the given strides (elements; dQ: (b, h, s, c), GQA dK/dV: (b, s, h * group, c)). A dQ accumulator
-// may hold its columns and rows permuted (col_swizzle, row_interleave: dq_staging.cuh); the row
-// permutation needs the accumulator's rows padded to a multiple of 8.
-// One thread per 4 columns of a row (16-byte loads, 8-byte stores: the accumulator's rows hold
-// fp32_cols(head_dim) columns, a multiple of 8, its strides multiples of 4 floats; the output takes
-// kVecBytes-wide stores of the columns below head_dim); a block covers blockDim.x / (cols / 4) rows of one
-// head: grid (row blocks, heads, batches), so that no thread divides a 64-bit index. (One thread per
-// column pair with 64-bit index arithmetic was compute-bound, at twice FA2's time: log item 33.)
+// out[b, s, h, c] = scale * sum_{g < group} acc[b, s, h * group + g, c] for an fp32 accumulator
+// with the given strides (elements; dQ: (b, h, s, c), GQA dK/dV: (b, s, h * group, c)). A dQ
+// accumulator may hold its columns and rows permuted (col_swizzle, row_interleave: dq_staging.cuh);
+// the row permutation needs the accumulator's rows padded to a multiple of 8. One thread per 4
+// columns of a row (16-byte loads, 8-byte stores: the accumulator's rows hold fp32_cols(head_dim)
+// columns, a multiple of 8, its strides multiples of 4 floats; the output takes kVecBytes-wide
+// stores of the columns below head_dim); a block covers blockDim.x / (cols / 4) rows of one head:
+// grid (row blocks, heads, batches), so that no thread divides a 64-bit index. (One thread per
+// column pair with 64-bit index arithmetic was compute-bound, at twice FA2's time:
+// docs/design-notes.md, 'Backward pipeline'.)
 template <class T>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_kernel(const float* __restrict__ acc, u16* __restrict__ out,

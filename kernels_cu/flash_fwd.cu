@@ -26,16 +26,17 @@ struct FwdTraits {
     using KVTile = SwizzledTile<kBlockN, kHeadDim>;
     // Tiles whose output accumulator and S take >= 160 of the 255 registers per thread at head dims
     // >= 96, with 32 rows per warp (4 warps x 32 rows with 64-key blocks at head dims 96 and 128)
-    // or in causal kernels, whose mask state needs a few more (8 warps x 16 rows with 64-key
-    // blocks at head dim 256), are "tight": they run the masked key blocks in a loop of their own
-    // and recompute the epilogue's addresses after the loop (flash_fwd_body). With 32 rows per warp
+    // or in causal kernels, whose mask state needs a few more (8 warps x 16 rows with 64-key blocks
+    // at head dim 256), are "tight": they run the masked key blocks in a loop of their own and
+    // recompute the epilogue's addresses after the loop (flash_fwd_body). With 32 rows per warp
     // that is not enough: those tiles also keep their running row sums (touched once per key block)
     // in shared memory, rebuild the ldmatrix addresses in every key block and load K/V through a
     // LeanTileLoader, at the cost of a few integer instructions per block. Otherwise the compiler
     // keeps all these values live through the key loop and spills. Each measure costs some speed
-    // where it is not needed (BENCHMARKS.md, performance log items 16 and 27: the causal head-dim-256
-    // tile measured 1.06x with its row sums back in registers), hence the thresholds.
-    // KernelConfig.forward_row_sums_bytes (cuflash2/config.py) mirrors kSumsInSmem.
+    // where it is not needed (docs/design-notes.md, 'Register pressure and spills' and 'Forward
+    // tiles': the causal head-dim-256 tile measured 1.06x with its row sums back in registers),
+    // hence the thresholds. KernelConfig.forward_row_sums_bytes (cuflash2/config.py) mirrors
+    // kSumsInSmem.
     static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;
     // Tiles of 16 rows per warp whose threads load 12 or more 16-byte K/V chunks per block (head dim
     // 256 with 64-key blocks and 4 warps: 16; head dim 192 with 128-key blocks and 8 warps: 12) are

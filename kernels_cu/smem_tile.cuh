@@ -84,7 +84,7 @@ CF_DEVICE OffsetCursor<Tile> offset_columns(const LdsmCursor<Tile>& cursor, int 
 // no bits with it), so every ldmatrix address is the cursor plus a constant, where a contiguous
 // 6-tile share needs a run-time panel and xor per ldmatrix. (ncu had counted 12% more instructions
 // than FA2's head-dim-192 backward for the same MMAs, all integer; interleaving measured 1.005-1.024x
-// at head dim 96 and 0.995-1.001x at 192: BENCHMARKS.md, log item 45.)
+// at head dim 96 and 0.995-1.001x at 192: docs/design-notes.md, 'Head dims 96 and 192'.)
 template <int kTiles, int kShares, int kChunksPerRow>
 struct ColumnShare {
     static constexpr bool kInterleaved = (kTiles & (kTiles - 1)) != 0 && 2 * kShares == kChunksPerRow;
