@@ -186,7 +186,8 @@ def test_readme_python_blocks_are_complete_programs():
     exec(compile(numpy_only[0], "README.md", "exec"), {})
 
 
-@pytest.mark.parametrize("name", ["README.md", "CONTRIBUTING.md", "CHANGELOG.md"])
+@pytest.mark.parametrize("name", ["README.md", "CONTRIBUTING.md", "CHANGELOG.md", "BENCHMARKS.md",
+                                  "docs/design-notes.md", "docs/performance.md", "docs/guide.md"])
 def test_user_documents_describe_the_product(name):
     text = _doc(name)
     for word in (r"\bsession\b", r"\bsessions\b", r"\blog item\b", r"\bissue #?\d+", r"\bitem \d+"):
