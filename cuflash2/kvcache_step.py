@@ -23,6 +23,7 @@ import numpy as np
 
 from . import packed_launch
 from .compiler import get_kernel
+from .config import fp32_cols
 
 # The array arguments of flash_attn_with_kvcache in the order of kvcache._BUFFERS' first entries;
 # the per-call pointer list continues with the outputs and scratch regions (OUTPUT_BUFFERS).
@@ -254,7 +255,9 @@ def register(key, plan, infos: dict, arrays: tuple, device_id: int, q, return_ls
             return  # copied or converted on the way (a last stride, fp16 rotary tables, ...)
     cache = plan.cache
     rows = cache.batch * cache.nheads * cache.seqlen_q
-    regions = {"o_partial": plan.partial_rows * cache.head_dim * 4, "lse_partial": plan.partial_rows * 4,
+    # Partial rows are fp32_cols wide, as the kernels and the full path lay them out (head dims that
+    # are not a multiple of 8 pad them).
+    regions = {"o_partial": plan.partial_rows * fp32_cols(cache.head_dim) * 4, "lse_partial": plan.partial_rows * 4,
                "lse": 0 if return_lse else rows * 4,
                "q_rot": math.prod(infos["q"].shape) * infos["q"].itemsize if plan.rotate_q else 0}
     sources = {name: i for i, name in enumerate(INPUT_BUFFERS + OUTPUT_BUFFERS)}

@@ -12,6 +12,7 @@ at short sequences is more than the kernels take. Both paths run the same code o
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -329,8 +330,10 @@ def kvcache_traced(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     """flash_attn_with_kvcache as a custom op that mutates the caches, for torch.compile and fake
     tensors (eager calls keep the direct path and its decoding-step fast path)."""
     value = -1
-    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
         value, cache_seqlens = int(cache_seqlens), None
+    elif cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected an int or a torch tensor like q, got {type(cache_seqlens).__name__}")
     out, lse = _flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, value,
                                         cache_batch_idx, cache_leftpad, block_table,
                                         None if softmax_scale is None else float(softmax_scale), bool(causal),

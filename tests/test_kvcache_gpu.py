@@ -388,3 +388,25 @@ def test_cache_overflow_is_an_error_in_checked_mode(monkeypatch, page):
     checked = cuflash2.flash_attn_with_kvcache(q, k_cache.copy(), v_cache.copy(), k_new, v_new, cache_seqlens=fine,
                                                **kwargs)
     assert cp.array_equal(checked, unchecked)
+
+
+@pytest.mark.parametrize("head_dim", [100, 59])
+def test_fast_path_split_kv_at_head_dims_not_multiple_of_8(head_dim):
+    """The decoding step's fast path lays out the split-KV partial rows as the kernels write them
+    (padded to 8 columns): its second call equals the first (full path) and the NumPy path."""
+    import cupy as cp
+
+    from cuflash2 import kvcache
+
+    kvcache.clear_plans()
+    rng = np.random.default_rng(head_dim)
+    q = rng.standard_normal((1, 1, 8, head_dim)).astype(np.float16)
+    k_cache = rng.standard_normal((1, 512, 2, head_dim)).astype(np.float16)
+    v_cache = rng.standard_normal((1, 512, 2, head_dim)).astype(np.float16)
+    lengths = np.array([500], np.int32)
+    args = [cp.asarray(x) for x in (q, k_cache, v_cache)]
+    first = cuflash2.flash_attn_with_kvcache(*args, cache_seqlens=cp.asarray(lengths), num_splits=4)
+    second = cuflash2.flash_attn_with_kvcache(*args, cache_seqlens=cp.asarray(lengths), num_splits=4)
+    assert cp.array_equal(first, second)
+    expected = cuflash2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
+    assert np.abs(cp.asnumpy(second).astype(np.float32) - expected.astype(np.float32)).max() < 2e-3
