@@ -16,8 +16,7 @@ from . import dropout as dropout_rng
 from .config import MAX_GRID_YZ
 from .dropout import check_dropout
 from .features import PLAIN, Features, check_alibi, check_rng_state, check_softcap, check_window
-from .validate import AttentionShape, validate_out, validate_qkv
-from .validate import check_bool
+from .validate import AttentionShape, check_bool, validate_out, validate_qkv
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -41,10 +40,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     check_bool("causal", causal)
     check_bool("deterministic", deterministic)
     framework = interop.framework_of(q)
-    if framework == "torch" and dropout_seed is None:  # torch_ops draws it from torch's CUDA generator
-        dropout = dropout_rng.DropoutSpec(check_dropout(dropout_p))
-    else:
-        dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
+    dropout = call_dropout(framework, dropout_p, dropout_seed)
     window, softcap = check_window(window_size), check_softcap(softcap)
     if framework == "torch":  # differentiable torch.library custom op
         from . import torch_ops
@@ -66,6 +62,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return out, lse, attention_probs(q, k, lse, softmax_scale=softmax_scale, causal=causal, window_size=window,
                                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout.p,
                                      **dropout_source(dropout))
+
+
+def call_dropout(framework: str, dropout_p, dropout_seed) -> dropout_rng.DropoutSpec:
+    """The dropout of an autograd entry point: torch calls without a seed leave it to torch_ops,
+    which draws it from torch's CUDA generator; the others resolve (or draw) it here."""
+    if framework == "torch" and dropout_seed is None:
+        return dropout_rng.DropoutSpec(check_dropout(dropout_p))
+    return resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
 
 
 def dropout_source(dropout: dropout_rng.DropoutSpec) -> dict:

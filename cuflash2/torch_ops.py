@@ -55,12 +55,8 @@ def _fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap
 
 
 def _dropout_source(dropout_p, dropout_seed, dropout_rng_state) -> dict:
-    """The seed keywords of the ops' flat arguments: the device rng_state when there is one."""
-    if not dropout_p:
-        return {}
-    if dropout_rng_state is not None:
-        return {"dropout_rng_state": dropout_rng_state}
-    return {"dropout_seed": dropout_seed}
+    """The seed keywords of the ops' flat arguments (the device rng_state when there is one)."""
+    return api.dropout_source(DropoutSpec(dropout_p, dropout_seed, 0, dropout_rng_state))
 
 
 @torch.library.custom_op("cuflash2::flash_attn_fwd", mutates_args=(), device_types="cuda")

@@ -30,9 +30,8 @@ import numpy as np
 from . import interop, launch, reference
 from . import dropout as dropout_rng
 from .backward import gradient_outputs
-from .api import (_check_grid, _fill, _probs, check_host_dropout, dropout_source, gpu_features, host_dropout,
-                  numpy_alibi, resolve_dropout)
-from .dropout import check_dropout
+from .api import (_check_grid, _fill, _probs, call_dropout, check_host_dropout, dropout_source, gpu_features,
+                  host_dropout, numpy_alibi, resolve_dropout)
 from .features import (
     as_batched,
     check_cu_seqlens,
@@ -62,10 +61,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return _paged_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                            causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, out)
     framework = interop.framework_of(q)
-    if framework == "torch" and dropout_seed is None:  # torch_ops draws it from torch's CUDA generator
-        dropout = dropout_rng.DropoutSpec(check_dropout(dropout_p))
-    else:
-        dropout = resolve_dropout(dropout_p, dropout_seed, 0, draw_seed=True)
+    dropout = call_dropout(framework, dropout_p, dropout_seed)
     window, softcap = check_window(window_size), check_softcap(softcap)
     max_seqlen_q, max_seqlen_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k",
                                                                                                   max_seqlen_k)
