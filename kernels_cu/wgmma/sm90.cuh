@@ -1,0 +1,123 @@
+// Hopper (sm_90a) building blocks of the wgmma kernel family: mbarriers, TMA tensor copies,
+// warpgroup MMA protocol, shared-memory matrix descriptors, register reallocation and named
+// barriers. Bare PTX (no CUDA headers), so NVRTC compiles it without a toolkit.
+#pragma once
+#include "ptx.cuh"
+
+typedef unsigned long long u64;
+
+// A CUtensorMap as the driver encodes it (cuTensorMapEncodeTiled): 128 opaque bytes, 64-aligned.
+// Kernels take it inside a __grid_constant__ parameter and hand its generic address to the TMA.
+struct alignas(64) TensorMap {
+    u64 opaque[16];
+};
+
+// ---- mbarriers ---------------------------------------------------------------------------------
+CF_DEVICE void mbarrier_init(u64* bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(arrivals));
+}
+// Makes the initialised barriers visible to the async proxy (TMA) before anyone uses them.
+CF_DEVICE void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+// Producer: one arrival that also announces `bytes` of TMA traffic the phase must wait for.
+CF_DEVICE void mbarrier_arrive_expect_bytes(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+CF_DEVICE void mbarrier_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_addr(bar)) : "memory");
+}
+CF_DEVICE bool mbarrier_try_wait(u64* bar, u32 parity) {
+    u32 done;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    return done != 0;
+}
+// Waits until the phase of parity `parity` has completed. CF_HANG_CHECK builds (the debug variant
+// the tests run) trap after a bounded number of polls instead of hanging the GPU on a lost arrival.
+CF_DEVICE void mbarrier_wait(u64* bar, u32 parity) {
+#ifdef CF_HANG_CHECK
+    for (long long polls = 0; !mbarrier_try_wait(bar, parity); ++polls) {
+        if (polls == (1ll << 26)) {
+            printf("cuflash2: mbarrier wait timed out (block %d thread %d barrier smem+%u parity %u)\n",
+                   blockIdx.x, threadIdx.x, smem_addr(bar), parity);
+            __trap();
+        }
+    }
+#else
+    while (!mbarrier_try_wait(bar, parity)) {
+    }
+#endif
+}
+
+// ---- TMA: tensor tiles global -> shared, completing on an mbarrier ----------------------------
+CF_DEVICE void tma_prefetch_map(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" :: "l"(map) : "memory");
+}
+// L2 eviction priorities for cache-hinted loads (values from the PTX createpolicy encoding).
+constexpr u64 kEvictFirst = 0x12F0000000000000ull, kEvictLast = 0x14F0000000000000ull;
+
+CF_DEVICE void tma_load_4d(void* dst, const TensorMap* map, u64* bar, int c0, int c1, int c2, int c3, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
+        :: "r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
+}
+
+// ---- warpgroup MMA protocol --------------------------------------------------------------------
+CF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+CF_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+CF_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(kPending) : "memory"); }
+
+// Keeps the compiler from moving reads or writes of wgmma registers across the asynchronous region
+// (otherwise ptxas serialises the MMAs with injected waits).
+template <int N>
+CF_DEVICE void register_fence(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+template <int M, int N>
+CF_DEVICE void register_fence(u32 (&r)[M][N]) {
+#pragma unroll
+    for (int i = 0; i < M; ++i)
+#pragma unroll
+        for (int j = 0; j < N; ++j) asm volatile("" : "+r"(r[i][j]) :: "memory");
+}
+
+// ---- shared-memory matrix descriptors (128-byte swizzle) ---------------------------------------
+// Tiles are stored as panels of 64 16-bit columns: row r of a panel is 128 bytes at r * 128, its
+// 16-byte chunks XOR-swizzled by r % 8 (what a TMA box of {64, rows} with SWIZZLE_128B writes into
+// a 1024-byte aligned destination). Eight rows form a 1024-byte swizzle atom.
+//   K-major operand (the reduction dim runs along the 64 columns): atoms of 8 rows follow each
+//     other at 1024 bytes (stride offset); the leading offset is unused.
+//   MN-major operand (the reduction dim runs down the rows): 8-row atoms at 1024 bytes (stride),
+//     the next panel of 64 output columns at `panel_bytes` (leading).
+CF_DEVICE u64 smem_descriptor(u32 saddr, u32 leading_bytes, u32 stride_bytes) {
+    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)((leading_bytes & 0x3FFFF) >> 4) << 16) |
+           ((u64)((stride_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// ---- register reallocation and named barriers --------------------------------------------------
+template <int kRegs>
+CF_DEVICE void registers_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(kRegs)); }
+template <int kRegs>
+CF_DEVICE void registers_claim() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(kRegs)); }
+
+template <int kId, int kThreads>
+CF_DEVICE void named_barrier_sync() { asm volatile("bar.sync %0, %1;\n" :: "n"(kId), "n"(kThreads) : "memory"); }
+template <int kId, int kThreads>
+CF_DEVICE void named_barrier_arrive() { asm volatile("bar.arrive %0, %1;\n" :: "n"(kId), "n"(kThreads) : "memory"); }
+
+// Two fp32 -> one packed pair of 16-bit values (low half = lo), the A-operand register format.
+CF_DEVICE u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+CF_DEVICE u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
