@@ -322,6 +322,7 @@ CF_DEVICE void consume(const FwdParams& p, unsigned char* smem, FwdBarriers& bar
             register_fence(s);
             release(&bars.k_empty[k_state.stage], lane);
             k_state.advance();
+            if (n_blocks == 1) release(&bars.q_empty, lane);  // its only Q K^T is done: Q may reload
             if (block_needs_mask<kCausal, kBlockN>(n_blocks - 1, tile.m_block, p))
                 mask_scores<kBlockN, kCausal>(s, n_blocks - 1, row, lane, p);
             softmax_update<kBlockN>(s, stats, scale, p.scale_log2);
@@ -340,6 +341,7 @@ CF_DEVICE void consume(const FwdParams& p, unsigned char* smem, FwdBarriers& bar
                 register_fence(s);
                 release(&bars.k_empty[k_state.stage], lane);
                 k_state.advance();
+                if (n == 0) release(&bars.q_empty, lane);  // the tile's last Q K^T is done: Q may reload
                 if (block_needs_mask<kCausal, kBlockN>(n, tile.m_block, p))
                     mask_scores<kBlockN, kCausal>(s, n, row, lane, p);
                 softmax_update<kBlockN>(s, stats, scale, p.scale_log2);
@@ -351,7 +353,6 @@ CF_DEVICE void consume(const FwdParams& p, unsigned char* smem, FwdBarriers& bar
                 rescale_rows(o, scale);
                 pack_probabilities<kBlockN, kBf16>(s, pa);
             }
-            release(&bars.q_empty, lane);  // every Q K^T of this tile has completed
             mbarrier_wait(&bars.v_full[v_state.stage], v_state.phase);
             take_turn(group);
             register_fence(o);
