@@ -152,7 +152,7 @@ def _compile_offline(archs: list[int], dims: list[int], dtypes: list[str], kinds
                              cached=False)
     with Progress(len(items)) as progress:
         for report in _run_all(offline_report, items, jobs):
-            status = "ok" if report.ok else ("ERROR" if report.error else "SPILL")
+            status = report.status
             progress.emit(report.line(), report.error)
             summary.add(status)
     return summary

@@ -133,14 +133,19 @@ class CompileReport:
     smem_bytes: int
     seconds: float
     error: str = ""
+    slowdown_warnings: str = ""  # ptxas' notes that the code will run slower than written (PTXAS_SLOWDOWN)
 
     @property
     def ok(self) -> bool:
         return not self.error and self.stack_frame_bytes == 0 and self.spill_store_bytes == 0 \
-            and self.spill_load_bytes == 0
+            and self.spill_load_bytes == 0 and not self.slowdown_warnings
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.ok else "ERROR" if self.error else "SLOW" if self.slowdown_warnings else "SPILL"
 
     def line(self) -> str:
-        status = "ok" if self.ok else ("ERROR" if self.error else "SPILL")
+        status = self.status
         return (f"{status:5s} {self.arch:6s} {self.config.short_id():44s} regs={self.registers:3d} "
                 f"smem={self.smem_bytes:6d} stack={self.stack_frame_bytes} "
                 f"spill={self.spill_store_bytes}/{self.spill_load_bytes} ({self.seconds:.1f}s)")
@@ -158,6 +163,15 @@ def _nvrtc():
 def nvrtc_version() -> tuple[int, int]:
     """NVRTC's (major, minor); loads the library, so a missing CuPy or NVRTC raises here."""
     return tuple(_nvrtc().getVersion())
+
+
+# ptxas messages that mean a silent slowdown of a Hopper kernel: "Potential Performance Loss"
+# (setmaxnreg ignored, C7508; wgmma serialised), warpgroup.arrive/wait injected (C7517, C7519).
+PTXAS_SLOWDOWN = re.compile(r"^.*(Performance Loss|is injected|serialized).*$", re.MULTILINE | re.IGNORECASE)
+
+
+def slowdown_warnings(log: str) -> str:
+    return "\n".join(m.group(0).strip() for m in PTXAS_SLOWDOWN.finditer(log))
 
 
 def _parse_ptxas_log(log: str) -> dict[str, int]:
@@ -194,7 +208,8 @@ def compile_offline(config: KernelConfig, arch: str) -> CompileReport:
     finally:
         nvrtc.destroyProgram(program)
     return CompileReport(config=config, arch=arch, smem_bytes=config.smem_bytes,
-                         seconds=time.perf_counter() - start, error=error, **stats)
+                         seconds=time.perf_counter() - start, error=error, slowdown_warnings=slowdown_warnings(log),
+                         **stats)
 
 
 def offline_report(item: tuple[KernelConfig, str]) -> CompileReport:

@@ -1,11 +1,13 @@
-"""The Hopper forward (kernels_cu/wgmma/flash_fwd_sm90.cu): tile choice, support check, launch.
+"""The Hopper forward (kernels_cu/wgmma/flash_fwd_sm90.cu): tiles, what it supports, launch.
 
 The kernel is compiled for sm_90a (wgmma and setmaxnreg exist only there) and takes one by-value
-parameter struct holding three TMA tensor maps and the scalars.
+parameter struct holding three TMA tensor maps and the scalars. Everything it does not cover runs
+on the mma.sync kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import struct
@@ -14,69 +16,102 @@ import threading
 import numpy as np
 
 from . import tensor_maps
-from .compiler import kernel_source
+from .compiler import get_kernel
 
 SOURCE = "wgmma/flash_fwd_sm90.cu"
-BLOCK_M = 128
-THREADS = 384
+ARCH = 90  # compute capability the sm_90a code runs on (9.0 exactly)
+BLOCK_M = 128  # query rows per tile: two consumer warpgroups of 64
+THREADS = 384  # producer warpgroup + two consumer warpgroups
 STAGES = 2
 MAX_HEAD_DIM = 256
+SMEM_LIMIT = 227 * 1024
 L2_SECTION_BYTES = 32 << 20  # causal tile order: K and V of one section of heads fit in L2
-# FwdParams (flash_fwd_sm90.cu): 3 maps, o, lse, 5 strides, 9 ints, scale_log2, padding to 512.
-_PARAMS = struct.Struct("<128s128s128sQQqqqqqiiiiiiiiif32x")
-assert _PARAMS.size == 512
+DTYPES = ("bfloat16", "float16")
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
+# FwdParams (flash_fwd_sm90.cu): 3 maps, o, lse, 5 i64 strides, 9 ints, scale_log2, padding to 512.
+PARAMS = struct.Struct("<128s128s128sQQqqqqqiiiiiiiiif32x")
 
 
-@functools.cache
-def tile(head_dim: int, causal: bool) -> tuple[int, int]:
-    """(head dim the kernel is built for (a multiple of 16), key block rows)."""
+@dataclasses.dataclass(frozen=True)
+class WgmmaFwdConfig:
+    """One instantiation of flash_fwd_sm90 (the interface compiler.get_kernel and
+    compiler.compile_offline expect of a kernel config)."""
+
+    head_dim: int  # the head dim the kernel is built for: the call's, rounded up to 16
+    block_n: int  # key rows per block
+    causal: bool
+    dtype: str
+    hang_check: bool = False  # debug build: mbarrier waits trap after a bounded spin
+
+    source_file = SOURCE
+    threads = THREADS
+
+    @property
+    def panels(self) -> int:
+        return -(-self.head_dim // 64)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q tile + STAGES K and V blocks (128-byte rows per 64 columns) + barriers + alignment slack."""
+        return (BLOCK_M + 2 * STAGES * self.block_n) * 128 * self.panels + 128 + 1024
+
+    def template_name(self) -> str:
+        flag = {True: "true", False: "false"}
+        return (f"flash_fwd_sm90<{self.head_dim}, {self.block_n}, {flag[self.causal]}, "
+                f"{flag[self.dtype == 'bfloat16']}>")
+
+    def short_id(self) -> str:
+        return (f"wgmma_fwd_d{self.head_dim}_n{self.block_n}_{'causal' if self.causal else 'full'}_"
+                f"{SHORT_DTYPE[self.dtype]}{'_hangcheck' if self.hang_check else ''}")
+
+    def compile_options(self) -> tuple[str, ...]:
+        return ("-arch=sm_90a",) + (("-DCF_HANG_CHECK",) if self.hang_check else ())
+
+
+def forward_config(head_dim: int, dtype: str, causal: bool, hang_check: bool = False) -> WgmmaFwdConfig:
+    """The tile for a call: 64-row halves of a 128-row query tile against key blocks sized so that
+    the Q tile and two stages of K and V fit in shared memory (the widest that measured fastest)."""
     padded = -(-head_dim // 16) * 16
-    if padded <= 64:
-        block_n = 128
-    elif padded <= 128:
-        block_n = 128
-    elif padded <= 192:
-        block_n = 96
-    else:
-        block_n = 80
-    return padded, block_n
+    block_n = 128 if padded <= 128 else 96 if padded <= 192 else 80
+    return WgmmaFwdConfig(padded, block_n, causal, dtype, hang_check)
 
 
-def smem_bytes(head_dim: int, block_n: int) -> int:
-    panels = -(-head_dim // 64)
-    return BLOCK_M * 128 * panels + 2 * STAGES * block_n * 128 * panels + 128 + 1024
+def all_configs() -> list[WgmmaFwdConfig]:
+    """Every instantiation a call can pick (the compile check builds them all)."""
+    return [forward_config(d, dtype, causal) for d in range(16, MAX_HEAD_DIM + 1, 16) for dtype in DTYPES
+            for causal in (False, True)]
 
 
-def template_name(head_dim: int, block_n: int, causal: bool, dtype: str) -> str:
-    return f"flash_fwd_sm90<{head_dim}, {block_n}, {'true' if causal else 'false'}, " \
-           f"{'true' if dtype == 'bfloat16' else 'false'}>"
+def unsupported_reason(arch: int, dtype: str, head_dim: int, tensors, plain: bool) -> str:
+    """Why the wgmma forward cannot run a call ("" when it can): compute capability 9.0, 16-bit
+    inputs, a head dim that is a multiple of 8 up to 256, no score modifier, dropout or varlen, and
+    tensors a TMA map can describe (16-byte aligned base and strides, last dim contiguous)."""
+    if arch != ARCH:
+        return f"needs compute capability 9.0 (sm_90a), got {arch // 10}.{arch % 10}"
+    if dtype not in DTYPES:
+        return f"needs float16 or bfloat16 inputs, got {dtype}"
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return f"needs a head dim that is a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}"
+    if not plain:
+        return "runs plain and causal attention only (no window, softcap, ALiBi, dropout, varlen or KV cache)"
+    for name, t in tensors:
+        if t.strides[-1] != 1 or not tensor_maps.strides_fit(t.data_ptr, [s * t.itemsize for s in t.strides[:-1]],
+                                                             t.shape[:-1]):
+            return (f"needs {name} with a 16-byte aligned base and strides that are multiples of 8 elements, "
+                    f"got strides {tuple(t.strides)} at 0x{t.data_ptr:x}")
+    return ""
 
 
-_loaded: dict = {}
-_lock = threading.Lock()
-
-
-def get_kernel(head_dim: int, block_n: int, causal: bool, dtype: str, device_id: int, hang_check: bool = False):
-    key = (head_dim, block_n, causal, dtype, device_id, hang_check)
-    kernel = _loaded.get(key)
-    if kernel is None:
-        import cupy
-
-        with _lock, cupy.cuda.Device(device_id):
-            options = ("-std=c++17", "-ftz=true", "-arch=sm_90a") + (("-DCF_HANG_CHECK",) if hang_check else ())
-            name = template_name(head_dim, block_n, causal, dtype)
-            module = cupy.RawModule(code=kernel_source(SOURCE), options=options, name_expressions=[name])
-            kernel = module.get_function(name)
-            kernel.max_dynamic_shared_size_bytes = smem_bytes(head_dim, block_n)
-            _loaded[key] = kernel
-    return kernel
-
-
-def _map(t, rows: int, dims: tuple[int, int, int, int], strides) -> bytes:
+def _map(t, rows: int, batch: int, seqlen: int, heads: int, head_dim: int) -> bytes:
     """Map of a (batch, seqlen, heads, head_dim) tensor with boxes of {64 columns, rows}."""
-    b, s, h, d = dims
-    return tensor_maps.encode_tiled(t.dtype, t.data_ptr, (d, s, h, b),
-                                    (strides[1] * 2, strides[2] * 2, strides[0] * 2), (64, rows, 1, 1))
+    return tensor_maps.encode_tiled(t.dtype, t.data_ptr, (head_dim, seqlen, heads, batch),
+                                    (t.strides[1] * 2, t.strides[2] * 2, t.strides[0] * 2), (64, rows, 1, 1))
+
+
+def section_heads(shape) -> int:
+    """(batch, head) pairs per L2 section of the causal tile order."""
+    kv_bytes = shape.seqlen_k * shape.head_dim * 2 * 2
+    return max(1, min(shape.nheads * shape.batch, L2_SECTION_BYTES // max(1, kv_bytes)))
 
 
 @functools.cache
@@ -86,36 +121,41 @@ def _sm_count(device_id: int) -> int:
     return cp.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
-class _Slots(threading.local):
+class _ParamBuffer(threading.local):
+    """The packed parameter struct and the one-entry kernelParams array pointing at it (per thread:
+    the driver copies the parameters during cuLaunchKernel, so the buffer is free once it returns)."""
+
     def __init__(self):
-        self.values = np.zeros(_PARAMS.size, dtype=np.uint8)
-        self.address = np.array([self.values.ctypes.data], dtype=np.uint64)
+        self.values = np.zeros(PARAMS.size, dtype=np.uint8)
+        self.pointers = np.array([self.values.ctypes.data], dtype=np.uint64)
 
 
-_slots = _Slots()
+_params = _ParamBuffer()
 
 
-def forward(q, k, v, out, lse, shape, causal: bool, device_id: int, stream, hang_check: bool = False,
-            block_n: int | None = None) -> None:
-    """out, lse <- attention(q, k, v) on the wgmma kernel (q, k, v, out, lse: TensorInfo)."""
-    from cupy_backends.cuda.api import driver
-
-    head_dim, default_n = tile(shape.head_dim, causal)
-    block_n = block_n or default_n
-    kernel = get_kernel(head_dim, block_n, causal, shape.dtype, device_id, hang_check)
+def pack_params(q, k, v, out, lse, shape, config: WgmmaFwdConfig, into) -> int:
+    """Writes FwdParams for this call into `into`; returns the number of tiles."""
     b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.head_dim
     m_blocks = math.ceil(sq / BLOCK_M)
     tiles = m_blocks * h * b
-    kv_bytes_per_head = sk * d * 2 * 2
-    section = max(1, min(h * b, L2_SECTION_BYTES // max(1, kv_bytes_per_head)))
-    _PARAMS.pack_into(
-        _slots.values, 0,
-        _map(q, BLOCK_M, (b, sq, h, d), q.strides), _map(k, block_n, (b, sk, hk, d), k.strides),
-        _map(v, block_n, (b, sk, hk, d), v.strides), out.data_ptr, lse.data_ptr,
+    PARAMS.pack_into(
+        into, 0, _map(q, BLOCK_M, b, sq, h, d), _map(k, config.block_n, b, sk, hk, d),
+        _map(v, config.block_n, b, sk, hk, d), out.data_ptr, lse.data_ptr,
         out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
-        sq, sk, d, h, shape.kv_group, b, m_blocks, tiles, section, shape.softmax_scale * math.log2(math.e))
+        sq, sk, d, h, shape.kv_group, b, m_blocks, tiles, section_heads(shape), shape.softmax_scale * math.log2(math.e))
+    return tiles
+
+
+def forward(q, k, v, out, lse, shape, causal: bool, device_id: int, stream,
+            config: WgmmaFwdConfig | None = None) -> None:
+    """out, lse <- attention(q, k, v) (TensorInfo of (batch, seqlen, heads, head_dim) tensors and of
+    the (batch, heads, seqlen_q) fp32 LSE), queued on `stream` as one persistent launch."""
+    from cupy_backends.cuda.api import driver
+
+    config = config or forward_config(shape.head_dim, shape.dtype, causal)
+    tiles = pack_params(q, k, v, out, lse, shape, config, _params.values)
     if tiles == 0:
         return
-    grid = min(tiles, _sm_count(device_id))
-    driver.launchKernel(kernel.kernel.ptr, grid, 1, 1, THREADS, 1, 1, smem_bytes(head_dim, block_n), stream.ptr,
-                        int(_slots.address.ctypes.data), 0)
+    kernel = get_kernel(config, device_id)
+    driver.launchKernel(kernel.kernel.ptr, min(tiles, _sm_count(device_id)), 1, 1, THREADS, 1, 1, config.smem_bytes,
+                        stream.ptr, int(_params.pointers.ctypes.data), 0)

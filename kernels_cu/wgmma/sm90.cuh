@@ -34,16 +34,12 @@ CF_DEVICE bool mbarrier_try_wait(u64* bar, u32 parity) {
     return done != 0;
 }
 // Waits until the phase of parity `parity` has completed. CF_HANG_CHECK builds (the debug variant
-// the tests run) trap after a bounded number of polls instead of hanging the GPU on a lost arrival.
+// the GPU tests run) trap after about 2^26 polls, seconds, instead of hanging the GPU on a lost
+// arrival: the launch then fails with an error. (No printf: a call would serialise the wgmmas.)
 CF_DEVICE void mbarrier_wait(u64* bar, u32 parity) {
 #ifdef CF_HANG_CHECK
-    for (long long polls = 0; !mbarrier_try_wait(bar, parity); ++polls) {
-        if (polls == (1ll << 26)) {
-            printf("cuflash2: mbarrier wait timed out (block %d thread %d barrier smem+%u parity %u)\n",
-                   blockIdx.x, threadIdx.x, smem_addr(bar), parity);
-            __trap();
-        }
-    }
+    for (int polls = 0; !mbarrier_try_wait(bar, parity); ++polls)
+        if (polls == (1 << 26)) asm volatile("trap;\n");
 #else
     while (!mbarrier_try_wait(bar, parity)) {
     }

@@ -1,0 +1,106 @@
+"""The Hopper (wgmma) forward without a GPU: tile choice, what it accepts, tensor-map checks, and
+the NVRTC compile of every sm_90a instantiation with ptxas' slowdown warnings treated as failures."""
+
+import pytest
+
+from cuflash2 import compiler, tensor_maps, wgmma_fwd
+from cuflash2.validate import TensorInfo, contiguous_info
+
+
+def test_tiles_fit_shared_memory_and_cover_every_head_dim():
+    for d in range(8, 257, 8):
+        for causal in (False, True):
+            config = wgmma_fwd.forward_config(d, "bfloat16", causal)
+            assert config.head_dim % 16 == 0 and d <= config.head_dim < d + 16
+            assert config.block_n % 16 == 0
+            assert config.smem_bytes <= wgmma_fwd.SMEM_LIMIT, config
+            assert config in wgmma_fwd.all_configs()
+
+
+def test_params_struct_is_the_kernels_512_bytes():
+    assert wgmma_fwd.PARAMS.size == 512  # flash_fwd_sm90.cu static_asserts sizeof(FwdParams) == 512
+
+
+def _bshd(b=2, s=256, h=4, d=128, ptr=1 << 20, strides=None):
+    info = contiguous_info((b, s, h, d), "bfloat16", 2, "cuda:0", ptr)
+    return info if strides is None else TensorInfo(info.shape, strides, "bfloat16", "cuda:0", ptr, 2)
+
+
+def test_unsupported_reasons_name_what_is_missing():
+    q = _bshd()
+    ok = [("q", q), ("k", q), ("v", q), ("out", q)]
+    assert wgmma_fwd.unsupported_reason(90, "bfloat16", 128, ok, True) == ""
+    assert "9.0" in wgmma_fwd.unsupported_reason(80, "bfloat16", 128, ok, True)
+    assert "float16 or bfloat16" in wgmma_fwd.unsupported_reason(90, "float32", 128, ok, True)
+    assert "multiple of 8" in wgmma_fwd.unsupported_reason(90, "bfloat16", 100, ok, True)
+    assert "multiple of 8" in wgmma_fwd.unsupported_reason(90, "bfloat16", 264, ok, True)
+    assert "plain and causal" in wgmma_fwd.unsupported_reason(90, "bfloat16", 128, ok, False)
+    misaligned = ("k", _bshd(ptr=(1 << 20) + 8))
+    assert "k with a 16-byte aligned base" in wgmma_fwd.unsupported_reason(90, "bfloat16", 128, [misaligned], True)
+    padded = ("v", _bshd(d=128, strides=(256 * 4 * 136, 4 * 136, 136, 1)))  # rows of 272 bytes: fine
+    assert wgmma_fwd.unsupported_reason(90, "bfloat16", 128, [padded], True) == ""
+    odd_rows = ("v", _bshd(d=128, strides=(256 * 4 * 130, 4 * 130, 130, 1)))  # 260 bytes: not a multiple of 16
+    assert "v with" in wgmma_fwd.unsupported_reason(90, "bfloat16", 128, [odd_rows], True)
+    not_last = ("q", _bshd(strides=(256 * 4 * 128, 4 * 128, 128, 2)))
+    assert "q with" in wgmma_fwd.unsupported_reason(90, "bfloat16", 128, [not_last], True)
+
+
+def test_single_entry_dims_may_have_any_stride():
+    assert tensor_maps.strides_fit(1 << 20, [256, 3, 7], [16, 1, 1])
+    assert not tensor_maps.strides_fit(1 << 20, [256, 3, 7], [16, 2, 1])
+
+
+def test_tensor_map_arguments_are_checked_before_the_driver():
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        tensor_maps.encode_tiled("bfloat16", 8, (128, 64, 1, 1), (256, 16, 16), (64, 64, 1, 1))
+    with pytest.raises(ValueError, match="box sides"):
+        tensor_maps.encode_tiled("bfloat16", 1 << 20, (128, 512, 1, 1), (256, 16, 16), (64, 512, 1, 1))
+    with pytest.raises(ValueError, match="3 strides"):
+        tensor_maps.encode_tiled("bfloat16", 1 << 20, (128, 512, 1, 1), (256, 16), (64, 64, 1, 1))
+
+
+def test_slowdown_warnings_are_recognised():
+    log = ("ptxas warning : (C7508) Potential Performance Loss: 'setmaxnreg' ignored; unable to determine "
+           "register count at entry\nptxas info    : (C7519) warpgroup.arrive is injected in around line 10\n"
+           "ptxas info    : Used 168 registers")
+    assert len(compiler.slowdown_warnings(log).splitlines()) == 2
+    assert compiler.slowdown_warnings("ptxas info    : Used 168 registers, used 3 barriers") == ""
+
+
+@pytest.mark.compile
+def test_the_gate_catches_an_ignored_setmaxnreg():
+    """A kernel without a register cap at entry gets its setmaxnreg ignored: ptxas says so, and the
+    compile check must see it (so a real kernel that regresses this way fails CI)."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    source = ('extern "C" __global__ void k(float* x) {\n'
+              '  if (threadIdx.x < 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\\n");\n'
+              '  else asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\\n");\n  x[threadIdx.x] = 1.f;\n}\n')
+    program = nvrtc.createProgram(source, "gate.cu", [], [])
+    try:
+        nvrtc.compileProgram(program, ["-arch=sm_90a", "--ptxas-options=-v"])
+        log = nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    assert "setmaxnreg" in compiler.slowdown_warnings(log)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("config", wgmma_fwd.all_configs(), ids=lambda c: c.short_id())
+def test_every_instantiation_compiles_clean_for_sm90a(config):
+    pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
+    report = compiler.compile_offline(config, "sm_90")
+    assert not report.error, f"{config.template_name()} failed to compile:\n{report.error}"
+    assert report.registers > 0, f"no ptxas resource report for {report.line()}"
+    assert not report.slowdown_warnings, f"{report.line()}\n{report.slowdown_warnings}"
+    assert report.stack_frame_bytes == 0 and report.spill_store_bytes == 0 and report.spill_load_bytes == 0, \
+        report.line()
+    assert report.ok
+
+
+@pytest.mark.compile
+def test_the_hang_check_build_compiles():
+    pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
+    config = wgmma_fwd.forward_config(128, "bfloat16", True, hang_check=True)
+    report = compiler.compile_offline(config, "sm_90")
+    assert not report.error, report.error
+    assert not report.slowdown_warnings, report.slowdown_warnings
