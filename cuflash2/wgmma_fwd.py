@@ -20,16 +20,16 @@ from .compiler import get_kernel
 
 SOURCE = "wgmma/flash_fwd_sm90.cu"
 ARCH = 90  # compute capability the sm_90a code runs on (9.0 exactly)
-BLOCK_M = 128  # query rows per tile: two consumer warpgroups of 64
-THREADS = 384  # producer warpgroup + two consumer warpgroups
+GROUP_ROWS = 64  # query rows per consumer warpgroup
 STAGES = 2
 MAX_HEAD_DIM = 256
 SMEM_LIMIT = 227 * 1024
-L2_SECTION_BYTES = 32 << 20  # causal tile order: K and V of one section of heads fit in L2
 DTYPES = ("bfloat16", "float16")
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
-# FwdParams (flash_fwd_sm90.cu): 3 maps, o, lse, 5 i64 strides, 9 ints, scale_log2, padding to 512.
-PARAMS = struct.Struct("<128s128s128sQQqqqqqiiiiiiiiif32x")
+# FwdParams (flash_fwd_sm90.cu): 3 maps, o, lse, tile counter, 5 i64 strides, 9 ints, scale_log2,
+# padding to 512.
+PARAMS = struct.Struct("<128s128s128sQQQqqqqqiiiiiiiiif24x")
+L2_SECTION_BYTES = 32 << 20  # causal tile order: K and V of one section of heads fit in L2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +39,20 @@ class WgmmaFwdConfig:
 
     head_dim: int  # the head dim the kernel is built for: the call's, rounded up to 16
     block_n: int  # key rows per block
+    groups: int  # consumer warpgroups, 64 query rows each
     causal: bool
     dtype: str
     hang_check: bool = False  # debug build: mbarrier waits trap after a bounded spin
 
     source_file = SOURCE
-    threads = THREADS
+
+    @property
+    def block_m(self) -> int:
+        return GROUP_ROWS * self.groups
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.groups + 1)  # + the producer warpgroup
 
     @property
     def panels(self) -> int:
@@ -53,15 +61,15 @@ class WgmmaFwdConfig:
     @property
     def smem_bytes(self) -> int:
         """Q tile + STAGES K and V blocks (128-byte rows per 64 columns) + barriers + alignment slack."""
-        return (BLOCK_M + 2 * STAGES * self.block_n) * 128 * self.panels + 128 + 1024
+        return (self.block_m + 2 * STAGES * self.block_n) * 128 * self.panels + 128 + 1024
 
     def template_name(self) -> str:
         flag = {True: "true", False: "false"}
-        return (f"flash_fwd_sm90<{self.head_dim}, {self.block_n}, {flag[self.causal]}, "
+        return (f"flash_fwd_sm90<{self.head_dim}, {self.block_n}, {self.groups}, {flag[self.causal]}, "
                 f"{flag[self.dtype == 'bfloat16']}>")
 
     def short_id(self) -> str:
-        return (f"wgmma_fwd_d{self.head_dim}_n{self.block_n}_{'causal' if self.causal else 'full'}_"
+        return (f"wgmma_fwd_d{self.head_dim}_m{self.block_m}_n{self.block_n}_{'causal' if self.causal else 'full'}_"
                 f"{SHORT_DTYPE[self.dtype]}{'_hangcheck' if self.hang_check else ''}")
 
     def compile_options(self) -> tuple[str, ...]:
@@ -69,11 +77,13 @@ class WgmmaFwdConfig:
 
 
 def forward_config(head_dim: int, dtype: str, causal: bool, hang_check: bool = False) -> WgmmaFwdConfig:
-    """The tile for a call: 64-row halves of a 128-row query tile against key blocks sized so that
-    the Q tile and two stages of K and V fit in shared memory (the widest that measured fastest)."""
+    """The tile for a call: three consumer warpgroups (192 query rows) up to head dim 64, where their
+    160 registers each hold S, P and O; two (128 rows, 240 registers) above. Key blocks as wide as
+    shared memory (Q tile + two stages of K and V) and registers allow."""
     padded = -(-head_dim // 16) * 16
+    groups = 3 if padded <= 64 else 2
     block_n = 128 if padded <= 128 else 96 if padded <= 192 else 80
-    return WgmmaFwdConfig(padded, block_n, causal, dtype, hang_check)
+    return WgmmaFwdConfig(padded, block_n, groups, causal, dtype, hang_check)
 
 
 def all_configs() -> list[WgmmaFwdConfig]:
@@ -108,12 +118,6 @@ def _map(t, rows: int, batch: int, seqlen: int, heads: int, head_dim: int) -> by
                                     (t.strides[1] * 2, t.strides[2] * 2, t.strides[0] * 2), (64, rows, 1, 1))
 
 
-def section_heads(shape) -> int:
-    """(batch, head) pairs per L2 section of the causal tile order."""
-    kv_bytes = shape.seqlen_k * shape.head_dim * 2 * 2
-    return max(1, min(shape.nheads * shape.batch, L2_SECTION_BYTES // max(1, kv_bytes)))
-
-
 @functools.cache
 def _sm_count(device_id: int) -> int:
     import cupy as cp
@@ -133,16 +137,27 @@ class _ParamBuffer(threading.local):
 _params = _ParamBuffer()
 
 
-def pack_params(q, k, v, out, lse, shape, config: WgmmaFwdConfig, into) -> int:
-    """Writes FwdParams for this call into `into`; returns the number of tiles."""
+def section_pairs(shape) -> int:
+    """(batch, head) pairs per L2 section of the causal tile order."""
+    kv_bytes = shape.seqlen_k * shape.head_dim * 2 * 2
+    return max(1, min(shape.nheads * shape.batch, L2_SECTION_BYTES // max(1, kv_bytes)))
+
+
+def tile_count(shape, config: WgmmaFwdConfig) -> int:
+    return math.ceil(shape.seqlen_q / config.block_m) * shape.nheads * shape.batch
+
+
+def pack_params(q, k, v, out, lse, tile_counter: int, shape, config: WgmmaFwdConfig, into) -> int:
+    """Writes FwdParams for this call into `into` (tile_counter: the address of a zeroed int32 for
+    causal calls); returns the number of tiles."""
     b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.head_dim
-    m_blocks = math.ceil(sq / BLOCK_M)
+    m_blocks = math.ceil(sq / config.block_m)
     tiles = m_blocks * h * b
     PARAMS.pack_into(
-        into, 0, _map(q, BLOCK_M, b, sq, h, d), _map(k, config.block_n, b, sk, hk, d),
-        _map(v, config.block_n, b, sk, hk, d), out.data_ptr, lse.data_ptr,
+        into, 0, _map(q, config.block_m, b, sq, h, d), _map(k, config.block_n, b, sk, hk, d),
+        _map(v, config.block_n, b, sk, hk, d), out.data_ptr, lse.data_ptr, tile_counter,
         out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
-        sq, sk, d, h, shape.kv_group, b, m_blocks, tiles, section_heads(shape), shape.softmax_scale * math.log2(math.e))
+        sq, sk, d, h, shape.kv_group, b, m_blocks, tiles, section_pairs(shape), shape.softmax_scale * math.log2(math.e))
     return tiles
 
 
@@ -150,12 +165,16 @@ def forward(q, k, v, out, lse, shape, causal: bool, device_id: int, stream,
             config: WgmmaFwdConfig | None = None) -> None:
     """out, lse <- attention(q, k, v) (TensorInfo of (batch, seqlen, heads, head_dim) tensors and of
     the (batch, heads, seqlen_q) fp32 LSE), queued on `stream` as one persistent launch."""
+    import cupy as cp
     from cupy_backends.cuda.api import driver
 
     config = config or forward_config(shape.head_dim, shape.dtype, causal)
-    tiles = pack_params(q, k, v, out, lse, shape, config, _params.values)
+    tiles = tile_count(shape, config)
     if tiles == 0:
         return
+    counter = cp.zeros(1, dtype=np.int32) if causal else None  # the causal tile schedule's counter
+    pack_params(q, k, v, out, lse, counter.data.ptr if causal else 0, shape, config, _params.values)
     kernel = get_kernel(config, device_id)
-    driver.launchKernel(kernel.kernel.ptr, min(tiles, _sm_count(device_id)), 1, 1, THREADS, 1, 1, config.smem_bytes,
-                        stream.ptr, int(_params.pointers.ctypes.data), 0)
+    driver.launchKernel(kernel.kernel.ptr, min(tiles, _sm_count(device_id)), 1, 1, config.threads, 1, 1,
+                        config.smem_bytes, stream.ptr, int(_params.pointers.ctypes.data), 0)
+    del counter  # the pool reuses it only for work queued after this point on the stream

@@ -99,8 +99,10 @@ def test_every_instantiation_compiles_clean_for_sm90a(config):
 
 @pytest.mark.compile
 def test_the_hang_check_build_compiles():
+    """The debug build (bounded mbarrier waits) compiles; its poll counters cost registers, so it
+    may run its wgmmas serialised: it is for correctness runs, not timings."""
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
     config = wgmma_fwd.forward_config(128, "bfloat16", True, hang_check=True)
     report = compiler.compile_offline(config, "sm_90")
     assert not report.error, report.error
-    assert not report.slowdown_warnings, report.slowdown_warnings
+    assert report.registers > 0

@@ -1,13 +1,13 @@
 // FlashAttention-2 forward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
 //
-// One persistent CTA per SM walks output tiles of kBlockM = 128 query rows. Warpgroup 0 is the
-// producer: after giving most of its registers back, one thread issues TMA loads of the Q tile and
-// of K and V blocks into two-stage pipelines guarded by mbarriers. Warpgroups 1 and 2 are consumers,
-// 64 query rows each: S = Q K^T with both operands in shared memory, the online softmax in
-// registers, then O += P V with P straight from registers (its accumulator layout is the A-operand
-// layout). Within a warpgroup the next block's Q K^T runs while the softmax of the current one is
-// computed; across the two warpgroups the MMA issue alternates (ping-pong named barriers), so the
-// tensor cores work for one warpgroup while the other one does its softmax.
+// One persistent CTA per SM walks output tiles of 64 query rows per consumer warpgroup (two or
+// three of them). Warpgroup 0 is the producer: after giving most of its registers back, one thread
+// issues TMA loads of the Q tile and of K and V blocks into two-stage pipelines guarded by
+// mbarriers. Each consumer warpgroup owns 64 query rows: S = Q K^T with both operands in shared
+// memory, the online softmax in registers, then O += P V with P straight from registers (its
+// accumulator layout is the A-operand layout). Within a warpgroup the next block's Q K^T runs while
+// the softmax of the current one is computed; across warpgroups the MMA issue goes round in turn
+// (named barriers), so the tensor cores work for one warpgroup while the others do their softmax.
 //
 // Key blocks are visited from the last to the first, so the blocks that need masking (the sequence
 // tail, the causal diagonal) come first and the rest run without mask arithmetic.
@@ -19,37 +19,66 @@ struct FwdParams {
     TensorMap q_map, k_map, v_map;  // (head_dim, seqlen, heads, batch) tiles of {64, rows}, 128B swizzle
     u16* o;
     float* lse;                     // (batch, heads, seqlen_q) by the strides below; natural log
+    int* tile_counter;              // causal: zero at launch, counts the tiles taken after the first round
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 lse_batch_stride, lse_head_stride;
     int seqlen_q, seqlen_k, head_dim, nheads;
     int kv_group, batch, m_blocks, tiles;
-    int section_heads;              // causal: (batch, head) pairs per L2 section of the tile order
+    int section_pairs;              // causal: (batch, head) pairs per L2 section of the tile order
     float scale_log2;               // softmax_scale * log2(e)
 };
-static_assert(sizeof(FwdParams) == 512, "FwdParams: host layout (3 maps, 2 pointers, 5 i64, 9 int, 1 float)");
+static_assert(sizeof(FwdParams) == 512, "FwdParams: host layout (3 maps, 3 pointers, 5 i64, 9 int, 1 float)");
 
-constexpr int kBlockM = 128, kStages = 2;
-constexpr int kConsumerThreads = 256, kThreads = 384;
-enum : int { kTurnOfGroup0 = 1, kTurnOfGroup1 = 2 };  // named barrier ids (0 is __syncthreads)
+constexpr int kStages = 2;
+enum : int { kTurnBarrier0 = 1 };  // named barrier ids kTurnBarrier0 + group: the MMA turns (0 is __syncthreads)
 
-// Shared memory: the Q tile, kStages K blocks, kStages V blocks (each as 128-byte panels of 64
-// columns, see smem_descriptor), then the mbarriers.
-template <int kHeadDim, int kBlockN>
-struct FwdSmem {
+// The tile shape of one instantiation and the shared-memory layout it implies: the Q tile, kStages
+// K blocks, kStages V blocks (each as 128-byte panels of 64 columns, see smem_descriptor), then
+// the mbarriers.
+template <int kHeadDim_, int kBlockN_, int kGroups_>
+struct FwdTile {
+    static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kGroups = kGroups_;
+    static constexpr int kBlockM = 64 * kGroups;
+    static constexpr int kConsumerWarps = 4 * kGroups, kThreads = 128 * (kGroups + 1);
+    // Registers per thread after reallocation: the producer keeps few, the consumers share the rest
+    // of the 64K register file (128 * 32 + 256 * 240 and 128 * 32 + 384 * 160, 65536 each).
+    static constexpr int kProducerRegs = 32, kConsumerRegs = kGroups == 2 ? 240 : 160;
     static constexpr int kPanels = (kHeadDim + 63) / 64;
+    static constexpr int kORegs = kPanels * 32;  // O accumulators per thread (64 x kPanels*64 per group)
     static constexpr int kQBytes = kBlockM * 128 * kPanels;
     static constexpr int kKVBytes = kBlockN * 128 * kPanels;
     static constexpr int kK = kQBytes;
     static constexpr int kV = kK + kStages * kKVBytes;
     static constexpr int kBarriers = kV + kStages * kKVBytes;
     static constexpr int kBytes = kBarriers + 128 + 1024;  // + the alignment slack of the base
+    static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: multiple of 16, at most 256");
+    static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: multiple of 16, at most 256");
+    static_assert(kGroups == 2 || kGroups == 3, "two or three consumer warpgroups");
 };
 
+// The mbarriers (and the tile hand-over slot) at the end of shared memory, by shared-window
+// address: one 32-bit base stays live, each barrier is base + a constant.
 struct FwdBarriers {
-    u64 q_full, q_empty;
-    u64 k_full[kStages], k_empty[kStages];
-    u64 v_full[kStages], v_empty[kStages];
+    u32 base;
+    CF_DEVICE u32 tile_full() const { return base; }  // causal: the producer hands over a tile index
+    CF_DEVICE u32 tile_empty() const { return base + 8; }
+    CF_DEVICE u32 q_full() const { return base + 16; }
+    CF_DEVICE u32 q_empty() const { return base + 24; }
+    CF_DEVICE u32 k_full(int stage) const { return base + 32 + 8 * stage; }
+    CF_DEVICE u32 k_empty(int stage) const { return base + 32 + 8 * (kStages + stage); }
+    CF_DEVICE u32 v_full(int stage) const { return base + 32 + 8 * (2 * kStages + stage); }
+    CF_DEVICE u32 v_empty(int stage) const { return base + 32 + 8 * (3 * kStages + stage); }
+    CF_DEVICE u32 tile_slot() const { return base + 32 + 8 * 4 * kStages; }
 };
+
+CF_DEVICE void st_shared_volatile(u32 addr, int value) {
+    asm volatile("st.volatile.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(value) : "memory");
+}
+CF_DEVICE int ld_shared_volatile(u32 addr) {
+    int value;
+    asm volatile("ld.volatile.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
+    return value;
+}
 
 // Position in a ring of kStages buffers; the phase parity flips at each wrap (mbarrier parity).
 struct PipeState {
@@ -64,25 +93,59 @@ struct Tile {
     int m_block, head, batch;
 };
 
-// Tile t of the persistent walk. Non-causal: query blocks fastest, so CTAs running at the same
-// time share a head's K and V in L2. Causal: the longest rows first (a static longest-first
-// schedule), inside sections of section_heads (batch, head) pairs whose K and V fit in L2.
+// Tile t of the persistent walk. Non-causal (all tiles cost the same): query blocks fastest, so
+// CTAs running at the same time share a head's K and V in L2. Causal: sections of section_pairs
+// (batch, head) pairs whose K and V fit in L2, the longest rows first inside each section.
 template <bool kCausal>
 CF_DEVICE Tile tile_at(int t, const FwdParams& p) {
     if (!kCausal) {
         const int rest = t / p.m_blocks;
         return {t - rest * p.m_blocks, rest % p.nheads, rest / p.nheads};
     }
-    const int per_section = p.section_heads * p.m_blocks;
+    const int per_section = p.section_pairs * p.m_blocks;
     const int section = t / per_section, r = t - section * per_section;
-    const int heads_here = min(p.section_heads, p.nheads * p.batch - section * p.section_heads);
-    const int m_block = p.m_blocks - 1 - r / heads_here;
-    const int bh = section * p.section_heads + r % heads_here;
-    return {m_block, bh % p.nheads, bh / p.nheads};
+    const int pairs_here = min(p.section_pairs, p.nheads * p.batch - section * p.section_pairs);
+    const int bh = section * p.section_pairs + r % pairs_here;
+    return {p.m_blocks - 1 - r / pairs_here, bh % p.nheads, bh / p.nheads};
 }
 
+// Which tile a CTA runs next. Non-causal: a static walk (blockIdx.x, then every gridDim.x-th).
+// Causal tiles shrink along the order, so a static walk leaves some CTAs with far more work: after
+// its first tile each CTA takes the next untaken one from a global counter (a greedy longest-first
+// schedule). The producer takes it and hands it to the consumers through shared memory; the tile
+// index past the last one tells everyone to stop.
+template <bool kCausal>
+struct TileWalk {
+    int tile = blockIdx.x;
+    u32 phase = 0;
+
+    // Producer: the tile after this one.
+    CF_DEVICE int reserve_next(const FwdParams& p) const {
+        return kCausal ? gridDim.x + atomicAdd(p.tile_counter, 1) : tile + gridDim.x;
+    }
+    CF_DEVICE void publish(const FwdBarriers& bars) {
+        if (!kCausal) return;
+        mbarrier_wait(bars.tile_empty(), phase ^ 1);
+        st_shared_volatile(bars.tile_slot(), tile);
+        mbarrier_arrive(bars.tile_full());
+        phase ^= 1;
+    }
+    // Consumers: the tile to run now.
+    CF_DEVICE void receive(const FwdBarriers& bars, int lane, int round) {
+        if (!kCausal) {
+            tile = blockIdx.x + round * gridDim.x;
+            return;
+        }
+        mbarrier_wait(bars.tile_full(), phase);
+        tile = ld_shared_volatile(bars.tile_slot());
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(bars.tile_empty());
+        phase ^= 1;
+    }
+};
+
 // Key blocks a query block attends to: [0, key_blocks). Causal masks align to the bottom-right.
-template <bool kCausal, int kBlockN>
+template <bool kCausal, int kBlockM, int kBlockN>
 CF_DEVICE int key_blocks(int m_block, const FwdParams& p) {
     int n = (p.seqlen_k + kBlockN - 1) / kBlockN;
     if (kCausal) {
@@ -94,70 +157,82 @@ CF_DEVICE int key_blocks(int m_block, const FwdParams& p) {
 }
 
 // Whether key block n has columns some row of the query block must not see.
-template <bool kCausal, int kBlockN>
+template <bool kCausal, int kBlockM, int kBlockN>
 CF_DEVICE bool block_needs_mask(int n_block, int m_block, const FwdParams& p) {
     const int last_col = (n_block + 1) * kBlockN - 1;
     return last_col >= p.seqlen_k || (kCausal && last_col > m_block * kBlockM + p.seqlen_k - p.seqlen_q);
 }
 
 // ---- producer ------------------------------------------------------------------------------------
-template <int kHeadDim, int kBlockN>
-CF_DEVICE void load_kv_block(unsigned char* tiles, const TensorMap* map, u64* full, u64* empty, PipeState& st,
-                             int n_block, int kv_head, int batch) {
-    using Smem = FwdSmem<kHeadDim, kBlockN>;
-    mbarrier_wait(&empty[st.stage], st.phase ^ 1);
-    mbarrier_arrive_expect_bytes(&full[st.stage], Smem::kKVBytes);
-    unsigned char* dst = tiles + st.stage * Smem::kKVBytes;
+// One K or V block into its pipeline stage: wait until the consumers released the stage, announce
+// the bytes, one TMA box per 64-column panel. `is_v` picks the V ring (tiles and barriers).
+template <class Tl, bool kIsV>
+CF_DEVICE void load_kv_block(u32 smem, const TensorMap* map, const FwdBarriers& bars, PipeState& st, int n_block,
+                             int kv_head, int batch) {
+    const u32 full = kIsV ? bars.v_full(st.stage) : bars.k_full(st.stage);
+    mbarrier_wait(kIsV ? bars.v_empty(st.stage) : bars.k_empty(st.stage), st.phase ^ 1);
+    mbarrier_arrive_expect_bytes(full, Tl::kKVBytes);
+    const u32 dst = smem + (kIsV ? Tl::kV : Tl::kK) + st.stage * Tl::kKVBytes;
 #pragma unroll
-    for (int panel = 0; panel < Smem::kPanels; ++panel)
-        tma_load_4d(dst + panel * kBlockN * 128, map, &full[st.stage], panel * 64, n_block * kBlockN, kv_head, batch,
+    for (int panel = 0; panel < Tl::kPanels; ++panel)
+        tma_load_4d(dst + panel * Tl::kBlockN * 128, map, full, panel * 64, n_block * Tl::kBlockN, kv_head, batch,
                     kEvictLast);
     st.advance();
 }
 
-template <int kHeadDim, int kBlockN, bool kCausal>
-CF_DEVICE void produce(const FwdParams& p, unsigned char* smem, FwdBarriers& bars) {
-    using Smem = FwdSmem<kHeadDim, kBlockN>;
+template <class Tl, bool kCausal>
+CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
+    constexpr int kBlockM = Tl::kBlockM;
     tma_prefetch_map(&p.q_map);
     tma_prefetch_map(&p.k_map);
     tma_prefetch_map(&p.v_map);
     PipeState k_state, v_state;
     u32 q_phase = 0;
-    for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-        const Tile tile = tile_at<kCausal>(t, p);
-        const int n_blocks = key_blocks<kCausal, kBlockN>(tile.m_block, p);
-        if (n_blocks <= 0) continue;  // no key to attend to: the consumers write the empty rows alone
+    for (TileWalk<kCausal> walk;;) {
+        walk.publish(bars);
+        if (walk.tile >= p.tiles) break;
+        const Tile tile = tile_at<kCausal>(walk.tile, p);
+        const int n_blocks = key_blocks<kCausal, Tl::kBlockM, Tl::kBlockN>(tile.m_block, p);
+        if (n_blocks <= 0) {  // no key to attend to: the consumers write the empty rows alone
+            walk.tile = walk.reserve_next(p);
+            continue;
+        }
         const int kv_head = tile.head / p.kv_group;
-        mbarrier_wait(&bars.q_empty, q_phase ^ 1);
-        mbarrier_arrive_expect_bytes(&bars.q_full, Smem::kQBytes);
+        mbarrier_wait(bars.q_empty(), q_phase ^ 1);
+        mbarrier_arrive_expect_bytes(bars.q_full(), Tl::kQBytes);
 #pragma unroll
-        for (int panel = 0; panel < Smem::kPanels; ++panel)
-            tma_load_4d(smem + panel * kBlockM * 128, &p.q_map, &bars.q_full, panel * 64, tile.m_block * kBlockM,
+        for (int panel = 0; panel < Tl::kPanels; ++panel)
+            tma_load_4d(smem + panel * kBlockM * 128, &p.q_map, bars.q_full(), panel * 64, tile.m_block * kBlockM,
                         tile.head, tile.batch, kEvictFirst);
         q_phase ^= 1;
         // The consumers take K one block ahead of V: K[n] is multiplied while P[n+1] V[n+1] runs.
-        load_kv_block<kHeadDim, kBlockN>(smem + Smem::kK, &p.k_map, bars.k_full, bars.k_empty, k_state, n_blocks - 1,
+        load_kv_block<Tl, false>(smem, &p.k_map, bars, k_state, n_blocks - 1,
                                          kv_head, tile.batch);
         for (int n = n_blocks - 2; n >= 0; --n) {
-            load_kv_block<kHeadDim, kBlockN>(smem + Smem::kK, &p.k_map, bars.k_full, bars.k_empty, k_state, n,
+            load_kv_block<Tl, false>(smem, &p.k_map, bars, k_state, n,
                                              kv_head, tile.batch);
-            load_kv_block<kHeadDim, kBlockN>(smem + Smem::kV, &p.v_map, bars.v_full, bars.v_empty, v_state, n + 1,
+            load_kv_block<Tl, true>(smem, &p.v_map, bars, v_state, n + 1,
                                              kv_head, tile.batch);
         }
-        load_kv_block<kHeadDim, kBlockN>(smem + Smem::kV, &p.v_map, bars.v_full, bars.v_empty, v_state, 0, kv_head,
+        // Reserved after the tile's last K load, near its end (the producer runs at most two blocks
+        // ahead): the atomic's latency hides behind the last V load.
+        const int next = walk.reserve_next(p);
+        load_kv_block<Tl, true>(smem, &p.v_map, bars, v_state, 0, kv_head,
                                          tile.batch);
+        walk.tile = next;
     }
 }
 
 // ---- consumer: the two GEMMs ---------------------------------------------------------------------
 // S = Q K^T for this warpgroup's 64 rows: both operands K-major in shared memory, 16 columns of the
 // head dim per wgmma (32 bytes further along the swizzled 128-byte rows, next panel every 4 steps).
-template <int kHeadDim, int kBlockN, bool kBf16>
-CF_DEVICE void issue_scores(float (&s)[kBlockN / 2], u32 q_rows, u32 k_tile) {
+template <class Tl, bool kBf16>
+CF_DEVICE void issue_scores(float (&s)[Tl::kBlockN / 2], u32 q_rows, u32 k_tile) {
+    constexpr int kBlockN = Tl::kBlockN;
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const u32 a = q_rows + (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+    for (int kk = 0; kk < Tl::kHeadDim / 16; ++kk) {
+        const u32 a = q_rows + (kk / 4) * Tl::kBlockM * 128 + (kk % 4) * 32;
         const u32 b = k_tile + (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
         Wgmma<kBlockN, kBf16>::template ss<0, 0>(s, smem_descriptor(a, 16, 1024), smem_descriptor(b, 16, 1024),
                                                   kk > 0);
@@ -167,10 +242,9 @@ CF_DEVICE void issue_scores(float (&s)[kBlockN / 2], u32 q_rows, u32 k_tile) {
 
 // O += P V: P from registers (16 keys per wgmma), V MN-major in shared memory (16 key rows = 2048
 // bytes per step; its 64-column panels kBlockN * 128 bytes apart).
-template <int kHeadDim, int kBlockN, bool kBf16>
-CF_DEVICE void issue_values(float (&o)[FwdSmem<kHeadDim, kBlockN>::kPanels * 32],
-                            const u32 (&pa)[kBlockN / 16][4], u32 v_tile) {
-    constexpr int kN = FwdSmem<kHeadDim, kBlockN>::kPanels * 64;
+template <class Tl, bool kBf16>
+CF_DEVICE void issue_values(float (&o)[Tl::kORegs], const u32 (&pa)[Tl::kBlockN / 16][4], u32 v_tile) {
+    constexpr int kN = Tl::kPanels * 64, kBlockN = Tl::kBlockN;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
@@ -273,35 +347,42 @@ CF_DEVICE void store_rows(float (&o)[kRegs], RowStats& stats, const int (&row)[2
     }
 }
 
-// The ping-pong: a warpgroup issues its GEMMs only on its turn, then hands the turn over.
+// The MMA turns: a warpgroup issues its GEMMs only on its turn, then hands the turn to the next
+// group (barrier kTurnBarrier0 + g counts the 128 threads of group g and the 128 arriving from the
+// group before it).
 CF_DEVICE void take_turn(int group) {
-    if (group == 0) named_barrier_sync<kTurnOfGroup0, kConsumerThreads>();
-    else named_barrier_sync<kTurnOfGroup1, kConsumerThreads>();
+    if (group == 0) named_barrier_sync<kTurnBarrier0, 256>();
+    else if (group == 1) named_barrier_sync<kTurnBarrier0 + 1, 256>();
+    else named_barrier_sync<kTurnBarrier0 + 2, 256>();
 }
+template <int kGroups>
 CF_DEVICE void pass_turn(int group) {
-    if (group == 0) named_barrier_arrive<kTurnOfGroup1, kConsumerThreads>();
-    else named_barrier_arrive<kTurnOfGroup0, kConsumerThreads>();
+    if (group == kGroups - 1) named_barrier_arrive<kTurnBarrier0, 256>();
+    else if (group == 0) named_barrier_arrive<kTurnBarrier0 + 1, 256>();
+    else named_barrier_arrive<kTurnBarrier0 + 2, 256>();
 }
 
-// One arrival per consumer warp (the empty barriers count 8) once its wgmma reads are complete.
-CF_DEVICE void release(u64* bar, int lane) {
+// One arrival per consumer warp (the empty barriers count them all) once its wgmma reads are complete.
+CF_DEVICE void release(u32 bar, int lane) {
     if (lane == 0) mbarrier_arrive(bar);
 }
 
-template <int kHeadDim, int kBlockN, bool kCausal, bool kBf16>
-CF_DEVICE void consume(const FwdParams& p, unsigned char* smem, FwdBarriers& bars, int group) {
-    using Smem = FwdSmem<kHeadDim, kBlockN>;
-    constexpr int kORegs = Smem::kPanels * 32;
+template <class Tl, bool kCausal, bool kBf16>
+CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, int group) {
+    constexpr int kBlockN = Tl::kBlockN, kORegs = Tl::kORegs;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-    const u32 q_rows = smem_addr(smem) + group * 64 * 128;
-    const u32 k_tiles = smem_addr(smem + Smem::kK), v_tiles = smem_addr(smem + Smem::kV);
-    if (group == 1) pass_turn(1);  // group 0 issues first
+    const u32 q_rows = smem + group * 64 * 128;
+    const u32 k_tiles = smem + Tl::kK, v_tiles = smem + Tl::kV;
+    if (group == Tl::kGroups - 1) pass_turn<Tl::kGroups>(group);  // group 0 issues first
     PipeState k_state, v_state;
     u32 q_phase = 0;
-    for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-        const Tile tile = tile_at<kCausal>(t, p);
-        const int n_blocks = key_blocks<kCausal, kBlockN>(tile.m_block, p);
-        const int row0 = tile.m_block * kBlockM + group * 64 + warp * 16 + lane / 4;
+    TileWalk<kCausal> walk;
+    for (int round = 0;; ++round) {
+        walk.receive(bars, lane, round);
+        if (walk.tile >= p.tiles) break;
+        const Tile tile = tile_at<kCausal>(walk.tile, p);
+        const int n_blocks = key_blocks<kCausal, Tl::kBlockM, Tl::kBlockN>(tile.m_block, p);
+        const int row0 = tile.m_block * Tl::kBlockM + group * 64 + warp * 16 + lane / 4;
         const int row[2] = {row0, row0 + 8};
         float o[kORegs];
 #pragma unroll
@@ -311,89 +392,92 @@ CF_DEVICE void consume(const FwdParams& p, unsigned char* smem, FwdBarriers& bar
             float s[kBlockN / 2];
             u32 pa[kBlockN / 16][4];
             float scale[2];
-            mbarrier_wait(&bars.q_full, q_phase);
+            mbarrier_wait(bars.q_full(), q_phase);
             q_phase ^= 1;
             // The last key block alone: its scores, then P.
-            mbarrier_wait(&bars.k_full[k_state.stage], k_state.phase);
+            mbarrier_wait(bars.k_full(k_state.stage), k_state.phase);
             take_turn(group);
-            issue_scores<kHeadDim, kBlockN, kBf16>(s, q_rows, k_tiles + k_state.stage * Smem::kKVBytes);
-            pass_turn(group);
+            issue_scores<Tl, kBf16>(s, q_rows, k_tiles + k_state.stage * Tl::kKVBytes);
+            pass_turn<Tl::kGroups>(group);
             wgmma_wait<0>();
             register_fence(s);
-            release(&bars.k_empty[k_state.stage], lane);
+            release(bars.k_empty(k_state.stage), lane);
             k_state.advance();
-            if (n_blocks == 1) release(&bars.q_empty, lane);  // its only Q K^T is done: Q may reload
-            if (block_needs_mask<kCausal, kBlockN>(n_blocks - 1, tile.m_block, p))
+            if (n_blocks == 1) release(bars.q_empty(), lane);  // its only Q K^T is done: Q may reload
+            if (block_needs_mask<kCausal, Tl::kBlockM, Tl::kBlockN>(n_blocks - 1, tile.m_block, p))
                 mask_scores<kBlockN, kCausal>(s, n_blocks - 1, row, lane, p);
             softmax_update<kBlockN>(s, stats, scale, p.scale_log2);
             pack_probabilities<kBlockN, kBf16>(s, pa);
             // Then: scores of block n while P[n+1] V[n+1] accumulates.
             for (int n = n_blocks - 2; n >= 0; --n) {
-                mbarrier_wait(&bars.k_full[k_state.stage], k_state.phase);
+                mbarrier_wait(bars.k_full(k_state.stage), k_state.phase);
                 take_turn(group);
                 register_fence(o);
                 register_fence(pa);
-                issue_scores<kHeadDim, kBlockN, kBf16>(s, q_rows, k_tiles + k_state.stage * Smem::kKVBytes);
-                mbarrier_wait(&bars.v_full[v_state.stage], v_state.phase);
-                issue_values<kHeadDim, kBlockN, kBf16>(o, pa, v_tiles + v_state.stage * Smem::kKVBytes);
-                pass_turn(group);
+                issue_scores<Tl, kBf16>(s, q_rows, k_tiles + k_state.stage * Tl::kKVBytes);
+                mbarrier_wait(bars.v_full(v_state.stage), v_state.phase);
+                issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage * Tl::kKVBytes);
+                pass_turn<Tl::kGroups>(group);
                 wgmma_wait<1>();
                 register_fence(s);
-                release(&bars.k_empty[k_state.stage], lane);
+                release(bars.k_empty(k_state.stage), lane);
                 k_state.advance();
-                if (n == 0) release(&bars.q_empty, lane);  // the tile's last Q K^T is done: Q may reload
-                if (block_needs_mask<kCausal, kBlockN>(n, tile.m_block, p))
+                if (n == 0) release(bars.q_empty(), lane);  // the tile's last Q K^T is done: Q may reload
+                if (block_needs_mask<kCausal, Tl::kBlockM, Tl::kBlockN>(n, tile.m_block, p))
                     mask_scores<kBlockN, kCausal>(s, n, row, lane, p);
                 softmax_update<kBlockN>(s, stats, scale, p.scale_log2);
                 wgmma_wait<0>();
                 register_fence(o);
                 register_fence(pa);
-                release(&bars.v_empty[v_state.stage], lane);
+                release(bars.v_empty(v_state.stage), lane);
                 v_state.advance();
-                rescale_rows(o, scale);
+                // Exact skip: once the row maxima settle, most blocks leave every scale at 1.
+                if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
                 pack_probabilities<kBlockN, kBf16>(s, pa);
             }
-            mbarrier_wait(&bars.v_full[v_state.stage], v_state.phase);
+            mbarrier_wait(bars.v_full(v_state.stage), v_state.phase);
             take_turn(group);
             register_fence(o);
             register_fence(pa);
-            issue_values<kHeadDim, kBlockN, kBf16>(o, pa, v_tiles + v_state.stage * Smem::kKVBytes);
-            pass_turn(group);
+            issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage * Tl::kKVBytes);
+            pass_turn<Tl::kGroups>(group);
             wgmma_wait<0>();
             register_fence(o);
-            release(&bars.v_empty[v_state.stage], lane);
+            release(bars.v_empty(v_state.stage), lane);
             v_state.advance();
         }
         store_rows<kORegs, kBf16>(o, stats, row, lane, tile, p);
     }
 }
 
-template <int kHeadDim, int kBlockN, bool kCausal, bool kBf16>
-__global__ void __launch_bounds__(kThreads, 1) flash_fwd_sm90(const __grid_constant__ FwdParams p) {
-    static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: multiple of 16, at most 256");
-    static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: multiple of 16, at most 256");
+template <int kHeadDim, int kBlockN, int kGroups, bool kCausal, bool kBf16>
+__global__ void __launch_bounds__(FwdTile<kHeadDim, kBlockN, kGroups>::kThreads, 1)
+    flash_fwd_sm90(const __grid_constant__ FwdParams p) {
+    using Tl = FwdTile<kHeadDim, kBlockN, kGroups>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // 128-byte swizzled TMA tiles need 1024-byte aligned destinations.
-    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    FwdBarriers& bars = *reinterpret_cast<FwdBarriers*>(smem + FwdSmem<kHeadDim, kBlockN>::kBarriers);
+    const u32 smem = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const FwdBarriers bars{smem + Tl::kBarriers};
     if (threadIdx.x == 0) {
-        mbarrier_init(&bars.q_full, 1);
-        mbarrier_init(&bars.q_empty, kConsumerThreads / 32);
+        mbarrier_init(bars.tile_full(), 1);
+        mbarrier_init(bars.tile_empty(), Tl::kConsumerWarps);
+        mbarrier_init(bars.q_full(), 1);
+        mbarrier_init(bars.q_empty(), Tl::kConsumerWarps);
         for (int s = 0; s < kStages; ++s) {
-            mbarrier_init(&bars.k_full[s], 1);
-            mbarrier_init(&bars.k_empty[s], kConsumerThreads / 32);
-            mbarrier_init(&bars.v_full[s], 1);
-            mbarrier_init(&bars.v_empty[s], kConsumerThreads / 32);
+            mbarrier_init(bars.k_full(s), 1);
+            mbarrier_init(bars.k_empty(s), Tl::kConsumerWarps);
+            mbarrier_init(bars.v_full(s), 1);
+            mbarrier_init(bars.v_empty(s), Tl::kConsumerWarps);
         }
         fence_barrier_init();
     }
     __syncthreads();
     const int group = threadIdx.x / 128;
     if (group == 0) {
-        registers_release<24>();
-        if (threadIdx.x == 0) produce<kHeadDim, kBlockN, kCausal>(p, smem, bars);
+        registers_release<Tl::kProducerRegs>();
+        if (threadIdx.x == 0) produce<Tl, kCausal>(p, smem, bars);
     } else {
-        registers_claim<240>();
-        consume<kHeadDim, kBlockN, kCausal, kBf16>(p, smem, bars, group - 1);
+        registers_claim<Tl::kConsumerRegs>();
+        consume<Tl, kCausal, kBf16>(p, smem, bars, group - 1);
     }
 }

@@ -13,30 +13,31 @@ struct alignas(64) TensorMap {
 };
 
 // ---- mbarriers ---------------------------------------------------------------------------------
-CF_DEVICE void mbarrier_init(u64* bar, u32 arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(arrivals));
+CF_DEVICE void mbarrier_init(u32 bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(arrivals));
 }
 // Makes the initialised barriers visible to the async proxy (TMA) before anyone uses them.
 CF_DEVICE void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 
+// The barrier functions take the barrier's shared-window address (smem_addr): 32 bits to keep
+// live instead of a 64-bit generic pointer, which matters in the producer's few registers.
 // Producer: one arrival that also announces `bytes` of TMA traffic the phase must wait for.
-CF_DEVICE void mbarrier_arrive_expect_bytes(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(bytes)
-                 : "memory");
+CF_DEVICE void mbarrier_arrive_expect_bytes(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
 }
-CF_DEVICE void mbarrier_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_addr(bar)) : "memory");
+CF_DEVICE void mbarrier_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
 }
-CF_DEVICE bool mbarrier_try_wait(u64* bar, u32 parity) {
+CF_DEVICE bool mbarrier_try_wait(u32 bar, u32 parity) {
     u32 done;
     asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+                 " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     return done != 0;
 }
 // Waits until the phase of parity `parity` has completed. CF_HANG_CHECK builds (the debug variant
 // the GPU tests run) trap after about 2^26 polls, seconds, instead of hanging the GPU on a lost
 // arrival: the launch then fails with an error. (No printf: a call would serialise the wgmmas.)
-CF_DEVICE void mbarrier_wait(u64* bar, u32 parity) {
+CF_DEVICE void mbarrier_wait(u32 bar, u32 parity) {
 #ifdef CF_HANG_CHECK
     for (int polls = 0; !mbarrier_try_wait(bar, parity); ++polls)
         if (polls == (1 << 26)) asm volatile("trap;\n");
@@ -53,11 +54,12 @@ CF_DEVICE void tma_prefetch_map(const TensorMap* map) {
 // L2 eviction priorities for cache-hinted loads (values from the PTX createpolicy encoding).
 constexpr u64 kEvictFirst = 0x12F0000000000000ull, kEvictLast = 0x14F0000000000000ull;
 
-CF_DEVICE void tma_load_4d(void* dst, const TensorMap* map, u64* bar, int c0, int c1, int c2, int c3, u64 policy) {
+// dst and bar: shared-window addresses.
+CF_DEVICE void tma_load_4d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2, int c3, u64 policy) {
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
         " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
-        :: "r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)), "l"(policy)
+        :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(policy)
         : "memory");
 }
 
