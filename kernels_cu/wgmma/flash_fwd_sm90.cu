@@ -40,9 +40,14 @@ struct FwdTile {
     static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kGroups = kGroups_;
     static constexpr int kBlockM = 64 * kGroups;
     static constexpr int kConsumerWarps = 4 * kGroups, kThreads = 128 * (kGroups + 1);
-    // Registers per thread after reallocation: the producer keeps few, the consumers share the rest
-    // of the 64K register file (128 * 32 + 256 * 240 and 128 * 32 + 384 * 160, 65536 each).
-    static constexpr int kProducerRegs = 32, kConsumerRegs = kGroups == 2 ? 240 : 160;
+    // Registers per thread after reallocation: the producer keeps few, the consumers take what it
+    // gives back. setmaxnreg.inc waits until the block's own pool has the registers, so the total
+    // may not exceed what the block started with (kEntryRegs per thread, the launch bounds' share of
+    // the 64K register file) or the consumers wait forever.
+    static constexpr int kEntryRegs = 65536 / kThreads / 8 * 8;
+    static constexpr int kProducerRegs = kGroups == 2 ? 24 : 32, kConsumerRegs = kGroups == 2 ? 240 : 160;
+    static_assert(kProducerRegs + kGroups * kConsumerRegs <= (kGroups + 1) * kEntryRegs,
+                  "register reallocation exceeds the block's registers: setmaxnreg.inc would never return");
     static constexpr int kPanels = (kHeadDim + 63) / 64;
     static constexpr int kORegs = kPanels * 32;  // O accumulators per thread (64 x kPanels*64 per group)
     static constexpr int kQBytes = kBlockM * 128 * kPanels;
@@ -80,13 +85,13 @@ CF_DEVICE int ld_shared_volatile(u32 addr) {
     return value;
 }
 
-// Position in a ring of kStages buffers; the phase parity flips at each wrap (mbarrier parity).
+// Position in a ring of kStages buffers: one counter of the buffers used so far (a register saved
+// against a separate stage and phase); the mbarrier phase parity flips at each wrap.
 struct PipeState {
-    int stage = 0;
-    u32 phase = 0;
-    CF_DEVICE void advance() {
-        if (++stage == kStages) stage = 0, phase ^= 1;
-    }
+    u32 count = 0;
+    CF_DEVICE int stage() const { return count % kStages; }
+    CF_DEVICE u32 phase() const { return (count / kStages) & 1; }
+    CF_DEVICE void advance() { ++count; }
 };
 
 struct Tile {
@@ -169,10 +174,10 @@ CF_DEVICE bool block_needs_mask(int n_block, int m_block, const FwdParams& p) {
 template <class Tl, bool kIsV>
 CF_DEVICE void load_kv_block(u32 smem, const TensorMap* map, const FwdBarriers& bars, PipeState& st, int n_block,
                              int kv_head, int batch) {
-    const u32 full = kIsV ? bars.v_full(st.stage) : bars.k_full(st.stage);
-    mbarrier_wait(kIsV ? bars.v_empty(st.stage) : bars.k_empty(st.stage), st.phase ^ 1);
+    const u32 full = kIsV ? bars.v_full(st.stage()) : bars.k_full(st.stage());
+    mbarrier_wait(kIsV ? bars.v_empty(st.stage()) : bars.k_empty(st.stage()), st.phase() ^ 1);
     mbarrier_arrive_expect_bytes(full, Tl::kKVBytes);
-    const u32 dst = smem + (kIsV ? Tl::kV : Tl::kK) + st.stage * Tl::kKVBytes;
+    const u32 dst = smem + (kIsV ? Tl::kV : Tl::kK) + st.stage() * Tl::kKVBytes;
 #pragma unroll
     for (int panel = 0; panel < Tl::kPanels; ++panel)
         tma_load_4d(dst + panel * Tl::kBlockN * 128, map, full, panel * 64, n_block * Tl::kBlockN, kv_head, batch,
@@ -214,12 +219,9 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
             load_kv_block<Tl, true>(smem, &p.v_map, bars, v_state, n + 1,
                                              kv_head, tile.batch);
         }
-        // Reserved after the tile's last K load, near its end (the producer runs at most two blocks
-        // ahead): the atomic's latency hides behind the last V load.
-        const int next = walk.reserve_next(p);
         load_kv_block<Tl, true>(smem, &p.v_map, bars, v_state, 0, kv_head,
                                          tile.batch);
-        walk.tile = next;
+        walk.tile = walk.reserve_next(p);  // near the tile's end: the producer runs two blocks ahead
     }
 }
 
@@ -229,13 +231,16 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
 template <class Tl, bool kBf16>
 CF_DEVICE void issue_scores(float (&s)[Tl::kBlockN / 2], u32 q_rows, u32 k_tile) {
     constexpr int kBlockN = Tl::kBlockN;
+    // Each step's descriptors are the tile's plus a constant (the start address field, in 16-byte
+    // units, does not carry below 256 KB); the Q base is opaque so that the compiler does not keep
+    // every step's Q descriptor in registers through the key loop.
+    const u64 q_desc = smem_descriptor(opaque_int(q_rows), 16, 1024), k_desc = smem_descriptor(k_tile, 16, 1024);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tl::kHeadDim / 16; ++kk) {
-        const u32 a = q_rows + (kk / 4) * Tl::kBlockM * 128 + (kk % 4) * 32;
-        const u32 b = k_tile + (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
-        Wgmma<kBlockN, kBf16>::template ss<0, 0>(s, smem_descriptor(a, 16, 1024), smem_descriptor(b, 16, 1024),
-                                                  kk > 0);
+        const u32 a = (kk / 4) * Tl::kBlockM * 128 + (kk % 4) * 32;
+        const u32 b = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+        Wgmma<kBlockN, kBf16>::template ss<0, 0>(s, q_desc + (a >> 4), k_desc + (b >> 4), kk > 0);
     }
     wgmma_commit();
 }
@@ -245,10 +250,10 @@ CF_DEVICE void issue_scores(float (&s)[Tl::kBlockN / 2], u32 q_rows, u32 k_tile)
 template <class Tl, bool kBf16>
 CF_DEVICE void issue_values(float (&o)[Tl::kORegs], const u32 (&pa)[Tl::kBlockN / 16][4], u32 v_tile) {
     constexpr int kN = Tl::kPanels * 64, kBlockN = Tl::kBlockN;
+    const u64 v_desc = smem_descriptor(v_tile, kBlockN * 128, 1024);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-        Wgmma<kN, kBf16>::template rs<1>(o, pa[kk], smem_descriptor(v_tile + kk * 2048, kBlockN * 128, 1024), 1);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) Wgmma<kN, kBf16>::template rs<1>(o, pa[kk], v_desc + kk * (2048 >> 4), 1);
     wgmma_commit();
 }
 
@@ -395,13 +400,13 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
             mbarrier_wait(bars.q_full(), q_phase);
             q_phase ^= 1;
             // The last key block alone: its scores, then P.
-            mbarrier_wait(bars.k_full(k_state.stage), k_state.phase);
+            mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
             take_turn(group);
-            issue_scores<Tl, kBf16>(s, q_rows, k_tiles + k_state.stage * Tl::kKVBytes);
+            issue_scores<Tl, kBf16>(s, q_rows, k_tiles + k_state.stage() * Tl::kKVBytes);
             pass_turn<Tl::kGroups>(group);
             wgmma_wait<0>();
             register_fence(s);
-            release(bars.k_empty(k_state.stage), lane);
+            release(bars.k_empty(k_state.stage()), lane);
             k_state.advance();
             if (n_blocks == 1) release(bars.q_empty(), lane);  // its only Q K^T is done: Q may reload
             if (block_needs_mask<kCausal, Tl::kBlockM, Tl::kBlockN>(n_blocks - 1, tile.m_block, p))
@@ -410,17 +415,17 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
             pack_probabilities<kBlockN, kBf16>(s, pa);
             // Then: scores of block n while P[n+1] V[n+1] accumulates.
             for (int n = n_blocks - 2; n >= 0; --n) {
-                mbarrier_wait(bars.k_full(k_state.stage), k_state.phase);
+                mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
                 take_turn(group);
                 register_fence(o);
                 register_fence(pa);
-                issue_scores<Tl, kBf16>(s, q_rows, k_tiles + k_state.stage * Tl::kKVBytes);
-                mbarrier_wait(bars.v_full(v_state.stage), v_state.phase);
-                issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage * Tl::kKVBytes);
+                issue_scores<Tl, kBf16>(s, q_rows, k_tiles + k_state.stage() * Tl::kKVBytes);
+                mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
+                issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
                 pass_turn<Tl::kGroups>(group);
                 wgmma_wait<1>();
                 register_fence(s);
-                release(bars.k_empty(k_state.stage), lane);
+                release(bars.k_empty(k_state.stage()), lane);
                 k_state.advance();
                 if (n == 0) release(bars.q_empty(), lane);  // the tile's last Q K^T is done: Q may reload
                 if (block_needs_mask<kCausal, Tl::kBlockM, Tl::kBlockN>(n, tile.m_block, p))
@@ -429,21 +434,21 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
                 wgmma_wait<0>();
                 register_fence(o);
                 register_fence(pa);
-                release(bars.v_empty(v_state.stage), lane);
+                release(bars.v_empty(v_state.stage()), lane);
                 v_state.advance();
                 // Exact skip: once the row maxima settle, most blocks leave every scale at 1.
                 if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
                 pack_probabilities<kBlockN, kBf16>(s, pa);
             }
-            mbarrier_wait(bars.v_full(v_state.stage), v_state.phase);
+            mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
             take_turn(group);
             register_fence(o);
             register_fence(pa);
-            issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage * Tl::kKVBytes);
+            issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
             pass_turn<Tl::kGroups>(group);
             wgmma_wait<0>();
             register_fence(o);
-            release(bars.v_empty(v_state.stage), lane);
+            release(bars.v_empty(v_state.stage()), lane);
             v_state.advance();
         }
         store_rows<kORegs, kBf16>(o, stats, row, lane, tile, p);

@@ -35,12 +35,19 @@ CF_DEVICE bool mbarrier_try_wait(u32 bar, u32 parity) {
     return done != 0;
 }
 // Waits until the phase of parity `parity` has completed. CF_HANG_CHECK builds (the debug variant
-// the GPU tests run) trap after about 2^26 polls, seconds, instead of hanging the GPU on a lost
-// arrival: the launch then fails with an error. (No printf: a call would serialise the wgmmas.)
+// the GPU tests run) trap after 4 seconds instead of hanging the GPU on a lost arrival: the launch
+// then fails with an error. (No printf: a call would serialise the wgmmas.)
+CF_DEVICE u64 global_timer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
+    return t;
+}
 CF_DEVICE void mbarrier_wait(u32 bar, u32 parity) {
 #ifdef CF_HANG_CHECK
-    for (int polls = 0; !mbarrier_try_wait(bar, parity); ++polls)
-        if (polls == (1 << 26)) asm volatile("trap;\n");
+    if (mbarrier_try_wait(bar, parity)) return;
+    const u64 start = global_timer_ns();
+    while (!mbarrier_try_wait(bar, parity))
+        if (global_timer_ns() - start > 4000000000ull) asm volatile("trap;\n");
 #else
     while (!mbarrier_try_wait(bar, parity)) {
     }
