@@ -1,4 +1,4 @@
-"""Fused backward (flash_bwd_fused.cu) against the default plan, kernels only, bf16, causal or not.
+"""Fused backward (kernels_cu/mma_sync/flash_bwd_fused.cu) against the default plan, kernels only, bf16, causal or not.
 At head dim 64 also its two query-block sizes. Usage: python benchmarks/bench_fused_tiles.py [head_dim ...]"""
 
 import sys

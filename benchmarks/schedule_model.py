@@ -6,7 +6,7 @@ the backward's first key blocks the most query blocks); the kernels order it lon
 within each (head, batch) group, so long blocks still start late in the grid and the last wave
 waits for them. This greedy list-scheduling model compares the makespan of that order, of the
 grouped order the kernels now use for causal grids (longest-first across chunks of groups sized to
-one wave: config.groups_per_chunk, BlockGrid in kernels_cu/block_mask.cuh) and of a global
+one wave: config.groups_per_chunk, BlockGrid in kernels_cu/common/block_mask.cuh) and of a global
 longest-first order with the ideal (total work / slots). It knows nothing of caches: the global
 order measured 0.78-0.97x on the causal backward (the blocks running at once then read the Q/dO
 and add to the dQ of as many groups; docs/design-notes.md, 'Causal grid order'). Work unit: one inner-loop

@@ -1,9 +1,10 @@
 """Kernel sources, NVRTC compilation and the compile cache.
 
 Sources are read from the package (``cuflash2/kernels_cu`` in an installed wheel, ``kernels_cu/``
-beside the package in a checkout) and their ``#include "..."`` lines are inlined, so the source
-string handed to CuPy covers every header: CuPy's on-disk cache is keyed on that string (it does not
-hash included files), so editing any header changes the key and nothing stale is ever loaded.
+beside the package in a checkout; includes are paths relative to that folder) and their
+``#include "..."`` lines are inlined, so the source string handed to CuPy covers every header:
+CuPy's on-disk cache is keyed on that string (it does not hash included files), so editing any
+header changes the key and nothing stale is ever loaded.
 """
 
 from __future__ import annotations
@@ -40,6 +41,24 @@ def kernel_dir() -> pathlib.Path:
     raise FileNotFoundError("cuflash2's CUDA sources (kernels_cu) are missing from this installation")
 
 
+#: Where each kernel source file (KernelConfig.source_file) lives in kernels_cu/: common/ holds what
+#: does not depend on an MMA instruction's fragment layout, mma_sync/ the mma.sync (m16n8k16) family.
+#: Includes are written relative to kernels_cu/ as well ("common/ptx.cuh").
+SOURCE_PATHS = {
+    "flash_fwd.cu": "mma_sync/flash_fwd.cu",
+    "flash_bwd.cu": "mma_sync/flash_bwd.cu",
+    "flash_bwd_dq.cu": "mma_sync/flash_bwd_dq.cu",
+    "flash_bwd_fused.cu": "mma_sync/flash_bwd_fused.cu",
+    "flash_bwd_prepost.cu": "common/flash_bwd_prepost.cu",
+    "kvcache.cu": "common/kvcache.cu",
+}
+
+
+def source_path(file_name: str) -> str:
+    """Path of a kernel source file relative to kernel_dir() (paths pass through unchanged)."""
+    return SOURCE_PATHS.get(file_name, file_name)
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_source(file_name: str) -> str:
     """`file_name` with every quoted include inlined once (headers use #pragma once)."""
@@ -53,17 +72,18 @@ def kernel_source(file_name: str) -> str:
         text = (folder / name).read_text()
         return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
-    return expand(file_name)
+    return expand(source_path(file_name))
 
 
 @functools.lru_cache(maxsize=None)
 def sources_hash() -> str:
-    """Hash over every file in kernels_cu/ (reported by `cuflash2 info`, used in cache keys)."""
+    """Hash over every file under kernels_cu/, subfolders included (reported by `cuflash2 info`,
+    used in cache keys)."""
+    folder = kernel_dir()
     digest = hashlib.sha256()
-    for path in sorted(kernel_dir().iterdir()):
-        if path.is_file():
-            digest.update(path.name.encode())
-            digest.update(path.read_bytes())
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(folder).as_posix().encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 

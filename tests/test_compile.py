@@ -175,7 +175,8 @@ def test_compile_error_is_reported_not_raised(monkeypatch, tmp_path):
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy")
     broken = tmp_path / "kernels_cu"
     shutil.copytree(compiler.kernel_dir(), broken)
-    (broken / "flash_fwd.cu").write_text((broken / "flash_fwd.cu").read_text() + "\nthis is not C++;\n")
+    source = broken / compiler.source_path("flash_fwd.cu")
+    source.write_text(source.read_text() + "\nthis is not C++;\n")
     with _kernel_dir(monkeypatch, broken):
         config = all_forward_configs(80)[0]
         report = compiler.compile_offline(config, "sm_80")
@@ -212,8 +213,9 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 def test_kernel_dir_has_sources():
     folder = compiler.kernel_dir()
-    assert (folder / "flash_fwd.cu").is_file()
-    for path in folder.iterdir():
+    for name in compiler.SOURCE_PATHS.values():
+        assert (folder / name).is_file(), name
+    for path in folder.rglob("*"):
         for name in _INCLUDE.findall(path.read_text()) if path.suffix in (".cu", ".cuh") else ():
             assert (folder / name).is_file(), f"{path.name} includes missing {name}"
 
@@ -224,7 +226,7 @@ def test_kernel_source_inlines_every_include():
     source = compiler.kernel_source("flash_fwd.cu")
     assert '#include "' not in source
     assert not _INCLUDE.search(source)
-    headers = set(_INCLUDE.findall((folder / "flash_fwd.cu").read_text()))
+    headers = set(_INCLUDE.findall((folder / compiler.source_path("flash_fwd.cu")).read_text()))
     assert headers, "flash_fwd.cu includes no header?"
     pending = list(headers)
     while pending:  # transitively included headers too
@@ -259,14 +261,14 @@ def test_sources_hash_tracks_every_file(monkeypatch, tmp_path):
         assert compiler.sources_hash() == original  # stable
         assert re.fullmatch(r"[0-9a-f]{16}", original)
 
-        header = sorted(copy.glob("*.cuh"))[0]
+        header = sorted(copy.rglob("*.cuh"))[0]
         header.write_text(header.read_text() + "\n// edited\n")
         _clear_caches()
         edited = compiler.sources_hash()
         assert edited != original, f"editing {header.name} did not change sources_hash"
         assert compiler.kernel_source("flash_fwd.cu") != source or header.name not in source
 
-        (copy / "new_file.cuh").write_text("// new\n")
+        (copy / "common" / "new_file.cuh").write_text("// new\n")
         _clear_caches()
         assert compiler.sources_hash() not in (original, edited)
 

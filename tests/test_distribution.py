@@ -148,8 +148,13 @@ def test_wheel_contents_and_metadata():
     _check_metadata(meta)
     assert f"{dist_info}/licenses/LICENSE" in names
     for path in ("cuflash2/__init__.py", "cuflash2/__init__.pyi", "cuflash2/py.typed", "cuflash2/cli/main.py",
-                 "cuflash2/kernels_cu/flash_fwd.cu", "cuflash2/kernels_cu/ptx.cuh"):
+                 "cuflash2/kernels_cu/mma_sync/flash_fwd.cu", "cuflash2/kernels_cu/common/ptx.cuh"):
         assert path in names and path in record, path
+    # every kernel source of the checkout, subfolders included, ships in the wheel
+    kernels = CHECKOUT / "kernels_cu"
+    sources = {f"cuflash2/kernels_cu/{p.relative_to(kernels).as_posix()}" for p in kernels.rglob("*")
+               if p.suffix in (".cu", ".cuh")}
+    assert sources and sources <= names, sorted(sources - names)
     top = {n.split("/")[0] for n in names}
     assert top == {"cuflash2", dist_info}, top  # no generic top-level cli/, kernels_cu/ or tests/
 

@@ -112,7 +112,7 @@ def test_dq_accumulator_swizzle_permutes_within_rows_and_spreads_banks(head_dim)
 
 
 def staged_row(row: int, interleave: bool) -> int:
-    """Mirror of dq_staged_row (kernels_cu/dq_staging.cuh): row r of each group of 8 at 2 (r % 4) + r / 4."""
+    """Mirror of dq_staged_row (kernels_cu/common/dq_layout.cuh): row r of each group of 8 at 2 (r % 4) + r / 4."""
     return (row & ~7) | (2 * (row & 3) + ((row >> 2) & 1)) if interleave else row
 
 
@@ -191,7 +191,7 @@ def test_decode_plan_arguments_pack(h200):
 
 def _grid_order(grid, nheads, grouped):
     """(block, head, batch) of every thread block in launch order (blockIdx.x fastest), decoded as
-    BlockGrid (kernels_cu/block_mask.cuh) does."""
+    BlockGrid (kernels_cu/common/block_mask.cuh) does."""
     gx, gy, gz = grid
     order = []
     for z in range(gz):

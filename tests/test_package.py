@@ -62,8 +62,8 @@ def test_no_generic_top_level_cli_module():
 def test_kernel_dir_has_sources():
     folder = compiler.kernel_dir()
     assert folder.is_dir()
-    assert (folder / "flash_fwd.cu").is_file()
-    assert any(p.suffix == ".cuh" for p in folder.iterdir())
+    assert (folder / compiler.source_path("flash_fwd.cu")).is_file()
+    assert any(p.suffix == ".cuh" for p in folder.rglob("*"))
 
 
 def test_sources_hash_is_stable():

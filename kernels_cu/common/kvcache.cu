@@ -2,8 +2,8 @@
 //   rotary_copy_kernel        new k/v rows -> the cache (paged or not), or q -> a rotated copy,
 //                             applying rotary embeddings on the way;
 //   flash_fwd_combine_kernel  split-KV partial results -> the output, weighted by their LSEs.
-#include "ptx.cuh"
-#include "smem_tile.cuh"
+#include "common/ptx.cuh"
+#include "common/global_io.cuh"
 
 // dst[row(b, i), h, c] = rotary(src[b, i, h, :], position(b, i))[c], one thread per element.
 // Rows go to the end of the cache (cache_seqlens[b] + i, through the page table when paged) or to

@@ -5,16 +5,18 @@
 //   S^T = K Q^T;  P^T = exp(scale * S^T - LSE);  dV += P^T dO
 //   dP^T = V dO^T;  dS^T = P^T * (dP^T - D);  dK += dS^T Q
 //   dQ += dS K   (dS^T goes through shared memory; the fp32 dQ partial sums are staged in shared
-//                memory and added to a global accumulator, see dq_staging.cuh)
+//                memory and added to a global accumulator, see mma_sync/dq_staging.cuh)
 // The template flags select which gradients a launch produces: for large head dims dV and dK are
-// produced by two launches (register budget), and deterministic mode leaves dQ to flash_bwd_dq.cu.
-#include "ptx.cuh"
-#include "smem_tile.cuh"
-#include "block_mask.cuh"
-#include "variant.cuh"
-#include "warp_gemm.cuh"
-#include "dq_staging.cuh"
-#include "bwd_common.cuh"
+// produced by two launches (register budget), and deterministic mode leaves dQ to mma_sync/flash_bwd_dq.cu.
+#include "common/ptx.cuh"
+#include "mma_sync/swizzled_tile.cuh"
+#include "mma_sync/tile_copy.cuh"
+#include "common/block_mask.cuh"
+#include "common/variant.cuh"
+#include "mma_sync/warp_gemm.cuh"
+#include "mma_sync/score_ops.cuh"
+#include "mma_sync/dq_staging.cuh"
+#include "mma_sync/bwd_common.cuh"
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kDq>
 struct BwdTraits {
@@ -99,10 +101,10 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
     float acc_dk[1][Tr::kDTiles][4], acc_dv[1][Tr::kDTiles][4];
     zero_acc(acc_dk);
     zero_acc(acc_dv);
-    const LdsmCursor<typename Tr::KTile> k_as_a(k_smem, warp * 16 + lane % 16, lane / 16);
-    const LdsmCursor<typename Tr::KTile> v_as_a(v_smem, warp * 16 + lane % 16, lane / 16);
-    const LdsmCursor<typename Tr::KTile> k_as_b(k_smem, lane % 16, lane / 16);  // trans: rows = keys
-    const LdsmCursor<typename Tr::DsTile> ds_as_at(ds_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    const LdsmCursor<typename Tr::KTile> k_as_a(k_smem, warp * 16 + ldsm_a_row(lane), ldsm_a_chunk(lane));
+    const LdsmCursor<typename Tr::KTile> v_as_a(v_smem, warp * 16 + ldsm_a_row(lane), ldsm_a_chunk(lane));
+    const LdsmCursor<typename Tr::KTile> k_as_b(k_smem, ldsm_a_row(lane), ldsm_a_chunk(lane));  // trans: rows = keys
+    const LdsmCursor<typename Tr::DsTile> ds_as_at(ds_smem, ldsm_bt_row(lane), ldsm_bt_chunk(lane));
 
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
         const int it = m_block - m_begin, stage_idx = it % kStages;
@@ -125,7 +127,7 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
         float p[1][Tr::kQTiles][4];
         u32 dtanh[Tr::kQTiles][2];
         zero_acc(p);
-        gemm_abt<T, 1, Tr::kQTiles, kHeadDim / 16>(p, k_as_a, LdsmCursor<typename Tr::QTile>(q_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
+        gemm_abt<T, 1, Tr::kQTiles, kHeadDim / 16>(p, k_as_a, LdsmCursor<typename Tr::QTile>(q_smem, ldsm_bt_row(lane), ldsm_bt_chunk(lane)));
         const bool needs_mask = mask.tile_needs_mask(m_block, n_block, kBlockM, kBlockN);
 #pragma unroll
         for (int nt = 0; nt < Tr::kQTiles; ++nt)
@@ -151,7 +153,7 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
         if (dropping) {
             static_assert(Tr::kQTiles * 4 <= 32, "one bit per fragment entry");
             // This lane's keys lane / 4 and lane / 4 + 8 of one query share a Philox block (a block
-            // holds keys 32 g + 8 t + 2 j + e, t = 0..3: philox.cuh), and so do the keys of lane ^ 4
+            // holds keys 32 g + 8 t + 2 j + e, t = 0..3: common/philox.cuh), and so do the keys of lane ^ 4
             // (lane / 4 differs in its last bit: the same j). Each of the two lanes therefore draws
             // the block of one of its two queries (column e = its lane / 4 parity) and hands it to
             // the other: one draw per four entries instead of two.
@@ -169,7 +171,7 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
 #pragma unroll
                     for (int w = 0; w < 4; ++w) r.x[w] = e == e_mine ? mine.x[w] : theirs.x[w];
                     bool keep[2];
-                    drop.keep_pair(r, key_lo, keep);
+                    keep_transposed_pair(drop, r, key_lo, keep);
 #pragma unroll
                     for (int hi = 0; hi < 2; ++hi)
                         if (!keep[hi]) kept &= ~(1u << (nt * 4 + 2 * hi + e));
@@ -183,7 +185,7 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
                 for (int i = 0; i < 4; ++i)
                     if (!((kept >> (nt * 4 + i)) & 1u)) p[0][nt][i] = 0.f;
         };
-        const LdsmCursor<typename Tr::QTile> do_as_b(do_smem, lane % 16, lane / 16);
+        const LdsmCursor<typename Tr::QTile> do_as_b(do_smem, ldsm_a_row(lane), ldsm_a_chunk(lane));
         if (kDv && !(kVariant && kDk)) {
             if (dropping) drop_p();
             gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dv, p, do_as_b);  // dV += (P Z)^T dO
@@ -191,7 +193,7 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
         if (kDk) {
             float ds[1][Tr::kQTiles][4];  // dP^T = V dO^T, then dS^T = P^T * (dP^T - D)
             zero_acc(ds);
-            gemm_abt<T, 1, Tr::kQTiles, kHeadDim / 16>(ds, v_as_a, LdsmCursor<typename Tr::QTile>(do_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
+            gemm_abt<T, 1, Tr::kQTiles, kHeadDim / 16>(ds, v_as_a, LdsmCursor<typename Tr::QTile>(do_smem, ldsm_bt_row(lane), ldsm_bt_chunk(lane)));
 #pragma unroll
             for (int nt = 0; nt < Tr::kQTiles; ++nt)
 #pragma unroll
@@ -206,7 +208,7 @@ flash_bwd_kernel(CF_BWD_MAIN_PARAMS) {
                 if (dropping) drop_p();
                 gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dv, p, do_as_b);  // dV += (P Z)^T dO
             }
-            gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dk, ds, LdsmCursor<typename Tr::QTile>(q_smem, lane % 16, lane / 16));
+            gemm_rs<T, 1, Tr::kQTiles, Tr::kDTiles>(acc_dk, ds, LdsmCursor<typename Tr::QTile>(q_smem, ldsm_a_row(lane), ldsm_a_chunk(lane)));
             if constexpr (kDq) {  // constexpr: the dQ path is only instantiated where it exists (sm_90)
 #pragma unroll
                 for (int nt = 0; nt < Tr::kQTiles; ++nt)

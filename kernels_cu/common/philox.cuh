@@ -2,7 +2,7 @@
 // generator, so any thread can draw the random numbers of any (counter, key) directly, and the
 // backward pass regenerates exactly the forward's dropout mask whatever its tile shapes.
 #pragma once
-#include "ptx.cuh"
+#include "common/ptx.cuh"
 
 struct Philox4 {
     u32 x[4];
@@ -29,9 +29,10 @@ CF_DEVICE Philox4 philox4x32_10(u32 c0, u32 c1, u32 c2, u32 c3, u32 k0, u32 k1) 
 // within 2^-17 of the requested one). One Philox call yields eight 16-bit numbers: those of the
 // keys col = 32 g + 8 t + 2 j + e (t = 0..3, e = 0..1) of one row, for fixed g = col / 32 and
 // j = (col / 2) % 4. That grouping is a function of (row, col) alone, so any kernel layout draws
-// the same mask; it matches the m16n8k16 accumulator, where one lane holds exactly those columns of
-// a row across four consecutive 8-column tiles, so a row-major fragment needs one call per eight
-// entries (and a transposed one, holding keys lane / 4 + 8 h, one per four).
+// the same mask. It was chosen for the m16n8k16 accumulator, where one lane holds exactly those
+// columns of a row across four consecutive 8-column tiles, so a row-major fragment needs one call
+// per eight entries (and a transposed one, holding keys lane / 4 + 8 h, one per four: the fragment
+// walks are in mma_sync/score_ops.cuh).
 struct Dropout {
     u32 seed_lo, seed_hi, offset;
     u32 drop_threshold;  // 0: off
@@ -51,13 +52,7 @@ struct Dropout {
         return (word >> (16 * (slot & 1))) & 0xffffu;
     }
     CF_DEVICE bool keep(const Philox4& r, int slot) const { return number(r, slot) >= drop_threshold; }
-    // Keys col and col + 8 with col % 16 < 8 (the two rows a lane holds in a transposed fragment)
-    // are numbers 2 w + col % 2 and 2 (w + 1) + col % 2 of one block, w = 2 ((col / 16) % 2): one
-    // select per key, where number() with a run-time slot would need three.
-    CF_DEVICE void keep_pair(const Philox4& r, int col, bool (&kept)[2]) const {
-        const bool upper = (col >> 4) & 1;
-        const int shift = 16 * (col & 1);
-        kept[0] = (((upper ? r.x[2] : r.x[0]) >> shift) & 0xffffu) >= drop_threshold;
-        kept[1] = (((upper ? r.x[3] : r.x[1]) >> shift) & 0xffffu) >= drop_threshold;
-    }
+    // Whether entry (row, col) of head bh survives: the decision every layout must reproduce (kernels
+    // draw one block for all the entries of a lane that share it instead).
+    CF_DEVICE bool keeps(int row, int col, int bh) const { return keep(block(row, col, bh), slot_of(col)); }
 };

@@ -1,12 +1,13 @@
-// Online softmax over register fragments of S = Q K^T (m16n8k16 accumulator layout).
+// Online softmax over register fragments of S = Q K^T (m16n8k16 accumulator layout); the per-row
+// arithmetic is common/online_softmax.cuh's.
 //
 // Each lane of a warp holds, per 16-row MMA tile, two rows (lane/4 and lane/4 + 8) and per 8-column
 // tile two adjacent columns. A row is spread over the 4 lanes of a quad, so row reductions are two
 // xor-shuffles. The running sum is kept per lane and reduced across the quad only once, at the end.
-// Exponentials are exp2 with the softmax scale folded in: p = exp2(s * scale_log2 - max * scale_log2),
-// one FFMA and one EX2 per element.
 #pragma once
-#include "ptx.cuh"
+#include "common/ptx.cuh"
+#include "common/online_softmax.cuh"
+#include "mma_sync/fragment.cuh"
 
 template <int kMTiles, int kNTiles>
 struct OnlineSoftmax {
@@ -33,10 +34,7 @@ struct OnlineSoftmax {
         for (int i = 0; i < 2 * kMTiles; ++i) row_sum[i / 2][i % 2] = sums[i * kThreads];
     }
 
-    // Turns s into unnormalised probabilities and rescales the output accumulator by
-    // exp2(old_max - new_max). A row whose max is still -inf (nothing visible yet) subtracts 0
-    // instead, so exp2(-inf) = 0 and no NaN appears.
-    // The first block needs no special case: its correction is exp2(-inf) = 0 times a zero accumulator.
+    // Turns s into unnormalised probabilities and rescales the output accumulator (softmax_rescale).
     template <int kOTiles>
     CF_DEVICE void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kOTiles][4], float scale_log2) {
 #pragma unroll
@@ -46,22 +44,20 @@ struct OnlineSoftmax {
                 float mx = row_max[mt][r];
 #pragma unroll
                 for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                mx = fmaxf(mx, shfl_xor(mx, 1));
-                mx = fmaxf(mx, shfl_xor(mx, 2));
-                float max_scaled = (mx == -CF_INF) ? 0.f : mx * scale_log2;
-                float correction = fast_exp2(row_max[mt][r] * scale_log2 - max_scaled);
-                row_sum[mt][r] *= correction;
+                mx = quad_max(mx);
+                const SoftmaxRescale rescale = softmax_rescale(row_max[mt][r], mx, scale_log2);
+                row_sum[mt][r] *= rescale.correction;
 #pragma unroll
                 for (int ot = 0; ot < kOTiles; ++ot) {
-                    o[mt][ot][2 * r] *= correction;
-                    o[mt][ot][2 * r + 1] *= correction;
+                    o[mt][ot][2 * r] *= rescale.correction;
+                    o[mt][ot][2 * r + 1] *= rescale.correction;
                 }
                 row_max[mt][r] = mx;
                 float sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < kNTiles; ++nt) {
-                    s[mt][nt][2 * r] = fast_exp2(fmaf(s[mt][nt][2 * r], scale_log2, -max_scaled));
-                    s[mt][nt][2 * r + 1] = fast_exp2(fmaf(s[mt][nt][2 * r + 1], scale_log2, -max_scaled));
+                    s[mt][nt][2 * r] = softmax_exp2(s[mt][nt][2 * r], scale_log2, rescale.max_scaled);
+                    s[mt][nt][2 * r + 1] = softmax_exp2(s[mt][nt][2 * r + 1], scale_log2, rescale.max_scaled);
                     sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
                 }
                 row_sum[mt][r] += sum;
@@ -72,17 +68,10 @@ struct OnlineSoftmax {
     // Completes the row sums across the quad; returns 1/sum per row (0 for rows that saw no key)
     // and writes the natural-log LSE (+inf for rows that saw no key).
     CF_DEVICE void finalize(float (&inv_sum)[kMTiles][2], float (&lse)[kMTiles][2], float scale_log2) {
-        const float kLn2 = 0.6931471805599453f;
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float sum = row_sum[mt][r];
-                sum += shfl_xor(sum, 1);
-                sum += shfl_xor(sum, 2);
-                bool empty = (sum == 0.f);
-                inv_sum[mt][r] = empty ? 0.f : 1.f / sum;
-                lse[mt][r] = empty ? CF_INF : (row_max[mt][r] * scale_log2 + fast_log2(sum)) * kLn2;
-            }
+            for (int r = 0; r < 2; ++r)
+                softmax_finish_row(row_max[mt][r], quad_sum(row_sum[mt][r]), scale_log2, inv_sum[mt][r], lse[mt][r]);
     }
 };

@@ -2,11 +2,12 @@
 // fixed order and accumulating dQ in registers, so no atomics and bit-identical results.
 // Used by deterministic=True (the main backward kernel then skips dQ).
 //   S = Q K^T;  P = exp(scale * S - LSE);  dP = dO V^T;  dS = P * (dP - D);  dQ += dS K
-#include "ptx.cuh"
-#include "smem_tile.cuh"
-#include "block_mask.cuh"
-#include "variant.cuh"
-#include "warp_gemm.cuh"
+#include "common/ptx.cuh"
+#include "mma_sync/swizzled_tile.cuh"
+#include "mma_sync/tile_copy.cuh"
+#include "common/block_mask.cuh"
+#include "common/variant.cuh"
+#include "mma_sync/warp_gemm.cuh"
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
 struct BwdDqTraits {
@@ -72,11 +73,11 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
             .load(do_smem, dout + batch * do_batch_stride + head * do_head_stride + q_row * do_row_stride, rows_left, head_dim);
         const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> k_loader(tid, k_row_stride);
         const TileLoader<typename Tr::KVTile, kBlockN, kHeadDim, Tr::kThreads> v_loader(tid, v_row_stride);
-        const LdsmCursor<typename Tr::QTile> q_as_a(q_smem, warp * 16 + lane % 16, lane / 16);
-        const LdsmCursor<typename Tr::QTile> do_as_a(do_smem, warp * 16 + lane % 16, lane / 16);
-        const LdsmCursor<typename Tr::KVTile> k_as_bt(kv_smem, (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
-        const LdsmCursor<typename Tr::KVTile> v_as_bt(kv_smem + Tr::KVTile::kBytes, (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
-        const LdsmCursor<typename Tr::KVTile> k_as_b(kv_smem, lane % 16, lane / 16);
+        const LdsmCursor<typename Tr::QTile> q_as_a(q_smem, warp * 16 + ldsm_a_row(lane), ldsm_a_chunk(lane));
+        const LdsmCursor<typename Tr::QTile> do_as_a(do_smem, warp * 16 + ldsm_a_row(lane), ldsm_a_chunk(lane));
+        const LdsmCursor<typename Tr::KVTile> k_as_bt(kv_smem, ldsm_bt_row(lane), ldsm_bt_chunk(lane));
+        const LdsmCursor<typename Tr::KVTile> v_as_bt(kv_smem + Tr::KVTile::kBytes, ldsm_bt_row(lane), ldsm_bt_chunk(lane));
+        const LdsmCursor<typename Tr::KVTile> k_as_b(kv_smem, ldsm_a_row(lane), ldsm_a_chunk(lane));
 
         for (int n_block = n_begin; n_block < n_end; ++n_block) {
             const int key0 = n_block * kBlockN;
@@ -93,7 +94,7 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
             gemm_abt<T, 1, Tr::kNTiles, kHeadDim / 16>(p, q_as_a, k_as_bt);    // S = Q K^T
             gemm_abt<T, 1, Tr::kNTiles, kHeadDim / 16>(ds, do_as_a, v_as_bt);  // dP = dO V^T
             const bool needs_mask = mask.block_needs_mask(m_block, n_block, kBlockM, kBlockN);
-            // Dropout draws (philox.cuh): a lane's entries of one row in four consecutive 8-key
+            // Dropout draws (common/philox.cuh): a lane's entries of one row in four consecutive 8-key
             // tiles share a block; blocks of 16 keys (kNTiles 2) use half of one.
             constexpr int kDraws = (Tr::kNTiles + 3) / 4;
             Philox4 rnd[2][kDraws];

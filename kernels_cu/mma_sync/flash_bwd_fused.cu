@@ -3,27 +3,28 @@
 // block's keys form groups of 32 (4 groups of a 128-key block up to head dim 128, 2 groups of a
 // 64-key block above); the warps sharing a key group split the other dimension between them
 // (column group c of kColGroups): warp w works on key group w % kKeyGroups, column group w / kKeyGroups.
-// Causal grids take the grouped order (BlockGrid, block_mask.cuh). Per query block of kBlockM rows:
+// Causal grids take the grouped order (BlockGrid, common/block_mask.cuh). Per query block of kBlockM rows:
 //   S^T = K Q^T, dP^T = V dO^T                 keys of the group x queries of column group c
 //   P^T = exp(scale S^T - LSE), dS^T = P^T (dP^T - D)  -> shared memory (16-bit), for every warp
 //   dV += P^T dO, dK += dS^T Q                 keys of the group x head-dim columns of column group c
 //                                              (interleaved by tile pairs at head dims 96 and 192:
-//                                              ColumnShare, smem_tile.cuh)
+//                                              ColumnShare, mma_sync/swizzled_tile.cuh)
 //   dQ  = dS K                                 32 query rows (16 at head dim 96) x a column group
 //                                              per warp, staged in fp32 and added to the global
 //                                              accumulator by one bulk reduction per query block
-//                                              (dq_staging.cuh)
+//                                              (mma_sync/dq_staging.cuh)
 // Every fragment read from shared memory feeds two 16-row MMA tiles (the dQ product's dS fragments
-// one, at head dim 96); the main backward kernel (flash_bwd.cu, one 16-key tile per warp) feeds
+// one, at head dim 96); the main backward kernel (mma_sync/flash_bwd.cu, one 16-key tile per warp) feeds
 // one, and recomputes S and dP for dQ in a second kernel.
-// Plain attention only (causal or not, MHA or GQA); the optional features use flash_bwd.cu.
-#include "ptx.cuh"
-#include "smem_tile.cuh"
-#include "block_mask.cuh"
-#include "variant.cuh"
-#include "warp_gemm.cuh"
-#include "dq_staging.cuh"
-#include "bwd_common.cuh"
+// Plain attention only (causal or not, MHA or GQA); the optional features use mma_sync/flash_bwd.cu.
+#include "common/ptx.cuh"
+#include "mma_sync/swizzled_tile.cuh"
+#include "mma_sync/tile_copy.cuh"
+#include "common/block_mask.cuh"
+#include "common/variant.cuh"
+#include "mma_sync/warp_gemm.cuh"
+#include "mma_sync/dq_staging.cuh"
+#include "mma_sync/bwd_common.cuh"
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
 struct FusedBwdTraits {
@@ -56,7 +57,7 @@ struct FusedBwdTraits {
     using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO
     using KTile = SwizzledTile<kBlockN, kHeadDim>;  // K and V
     using PTile = SwizzledTile<kBlockN, kBlockM>;   // P^T and dS^T
-    // dQ staging without bank conflicts (dq_staging.cuh): padding after each row, a compile-time pitch
+    // dQ staging without bank conflicts (mma_sync/dq_staging.cuh): padding after each row, a compile-time pitch
     // of the kernel's width; the host allocates the accumulator alike (KernelConfig.dq_row_pitch).
     // A fragment store (st.shared.v2: 4 rows of 32 bytes per half-warp) is conflict-free when rows
     // start 8 banks apart, i.e. 32 bytes of padding; 16 bytes leave it 2-way (4 wavefronts instead of
@@ -85,7 +86,7 @@ struct FusedBwdTraits {
     static constexpr bool kDqInStage = kDqBuffers == 0;
     static constexpr int kQStageBytes = cmax(kPlainStageBytes, kDqInStage ? kDqBufferBytes : 0);
     // With 16 bytes of padding, the staged rows are interleaved within groups of 8 so that the four
-    // rows of a half-warp's store still start 8 banks apart (dq_staging.cuh; host:
+    // rows of a half-warp's store still start 8 banks apart (mma_sync/dq_staging.cuh; host:
     // KernelConfig.dq_row_interleave).
     static constexpr bool kDqRowInterleave = kDqPadBytes == 16;
     using DqStage = DqStaging<kBlockM, kHeadDim, false, kDqPadBytes,
@@ -192,17 +193,17 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
     zero_acc(acc_dv);
     const int warp_key0 = key_group * Tr::kWarpKeys;           // first key of this warp (in the block)
     const int warp_query0 = col_group * (kBlockM / Tr::kColGroups);  // first query of this warp's S^T part
-    const LdsmCursor<typename Tr::KTile> k_as_a(k_smem, warp_key0 + lane % 16, lane / 16);
-    const LdsmCursor<typename Tr::KTile> v_as_a(v_smem, warp_key0 + lane % 16, lane / 16);
-    const LdsmCursor<typename Tr::PTile> pt_as_a(pt_smem, warp_key0 + lane % 16, lane / 16);
-    const LdsmCursor<typename Tr::PTile> dst_as_a(dst_smem, warp_key0 + lane % 16, lane / 16);
+    const LdsmCursor<typename Tr::KTile> k_as_a(k_smem, warp_key0 + ldsm_a_row(lane), ldsm_a_chunk(lane));
+    const LdsmCursor<typename Tr::KTile> v_as_a(v_smem, warp_key0 + ldsm_a_row(lane), ldsm_a_chunk(lane));
+    const LdsmCursor<typename Tr::PTile> pt_as_a(pt_smem, warp_key0 + ldsm_a_row(lane), ldsm_a_chunk(lane));
+    const LdsmCursor<typename Tr::PTile> dst_as_a(dst_smem, warp_key0 + ldsm_a_row(lane), ldsm_a_chunk(lane));
     // This warp's part of P^T / dS^T (keys of the group x queries of column group c), addressed for
     // stmatrix / ldmatrix: pt_frag.at(mt * 16, 2 * np) is tile pair (2 np, 2 np + 1) of row tile mt.
     const auto pt_frag = pt_as_a.template shifted<Tr::kSTiles>(warp_query0 / 8);
     const auto dst_frag = dst_as_a.template shifted<Tr::kSTiles>(warp_query0 / 8);
     // Q / dO read as B for dV and dK: this warp's columns.
     auto dkv_b_operand = [&](u32 tile) {
-        return Tr::DkvCols::cursor(LdsmCursor<typename Tr::QTile>(tile, lane % 16, lane / 16), col_group);
+        return Tr::DkvCols::cursor(LdsmCursor<typename Tr::QTile>(tile, ldsm_a_row(lane), ldsm_a_chunk(lane)), col_group);
     };
 
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
@@ -330,10 +331,10 @@ flash_bwd_fused_kernel(CF_BWD_MAIN_PARAMS) {
         const int lane_q = opaque_int(threadIdx.x) % 32, warp_q = opaque_int(threadIdx.x) / 32;
         const int dq_row0 = (warp_q % Tr::kDqRowGroups) * Tr::kDqWarpRows;  // first row, column share
         const int dq_share = warp_q / Tr::kDqRowGroups;
-        const auto dst_as_at = LdsmCursor<typename Tr::PTile>(dst_smem, (lane_q / 16) * 8 + lane_q % 8, (lane_q / 8) % 2)
+        const auto dst_as_at = LdsmCursor<typename Tr::PTile>(dst_smem, ldsm_bt_row(lane_q), ldsm_bt_chunk(lane_q))
                                    .template shifted<Tr::kDqWarpRows / 8>(dq_row0 / 8);  // rows = chunks of dS^T columns
         const auto k_as_b = Tr::DqCols::cursor(  // trans: rows = keys
-            LdsmCursor<typename Tr::KTile>(k_smem, lane_q % 16, lane_q / 16), dq_share);
+            LdsmCursor<typename Tr::KTile>(k_smem, ldsm_a_row(lane_q), ldsm_a_chunk(lane_q)), dq_share);
         constexpr int kDqStride = Tr::DqCols::kPairStride;
 #pragma unroll
         for (int t0 = 0; t0 < Tr::kDqTiles; t0 += kDqChunk) {

@@ -1,28 +1,19 @@
-// Warp-level tensor-core GEMMs on m16n8k16 fragments. Accumulators use the MMA "C" layout:
-// acc[mt][nt][0..3] holds rows (lane/4, lane/4 + 8) x columns (2*(lane%4), +1) of tile (mt, nt).
-// Operands come from swizzled shared memory through an LdsmCursor, or (for A) from registers.
+// Warp-level tensor-core GEMMs on m16n8k16 fragments (coordinates: mma_sync/fragment.cuh).
+// Accumulators use the MMA "C" layout: acc[mt][nt][0..3] holds rows (lane/4, lane/4 + 8) x columns
+// (2*(lane%4), +1) of tile (mt, nt). Operands come from swizzled shared memory through an LdsmCursor,
+// or (for A) from registers.
 #pragma once
-#include "ptx.cuh"
-#include "smem_tile.cuh"
+#include "common/ptx.cuh"
+#include "mma_sync/mma.cuh"
+#include "mma_sync/fragment.cuh"
+#include "mma_sync/swizzled_tile.cuh"
 
-template <int MT, int NT>
-CF_DEVICE void zero_acc(float (&acc)[MT][NT][4]) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-}
-
-// Cursor roles. A row-major operand read as A (rows = M, contiguous = K):
-//   LdsmCursor(tile, first_row + lane % 16, lane / 16)
-// A row-major operand read as B^T (rows = N, contiguous = K), i.e. "A * B^T" products:
-//   LdsmCursor(tile, (lane / 16) * 8 + lane % 8, (lane / 8) % 2)
-// A row-major operand read as B (rows = K, contiguous = N), through ldmatrix.trans:
-//   LdsmCursor(tile, lane % 16, lane / 16)
-// A row-major operand holding A^T (rows = K, contiguous = M), through ldmatrix.trans:
-//   LdsmCursor(tile, (lane / 16) * 8 + lane % 8, (lane / 8) % 2)
+// Operand cursors (mma_sync/fragment.cuh: ldmatrix x4 addressing), rows from first_row of a tile:
+//   A, or B read through ldmatrix.trans:    LdsmCursor(tile, first_row + ldsm_a_row(lane), ldsm_a_chunk(lane))
+//   B^T, or A^T read through ldmatrix.trans: LdsmCursor(tile, first_row + ldsm_bt_row(lane), ldsm_bt_chunk(lane))
+// (The row sums are written out where the cursor is made: inside a helper taking first_row as an
+// argument, the compiler orders the add's operands the other way round. Cursors whose B^T rows
+// start at a run-time row keep first_row + (lane / 16) * 8 + lane % 8 in that association.)
 
 // acc[MT][NT] += A * B^T with A (MT*16 x KSteps*16) and B (NT*8 x KSteps*16) both row-major in smem.
 template <class T, int MT, int NT, int KSteps, class ATile, class BTile>
@@ -39,31 +30,11 @@ CF_DEVICE void gemm_abt(float (&acc)[MT][NT][4], const LdsmCursor<ATile>& a_cur,
             ldmatrix_x4(b_cur.at(np * 16, 2 * ks), b);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                T::mma(acc[mt][2 * np], a[mt], b[0], b[1]);
-                T::mma(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+                mma_m16n8k16<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
+                mma_m16n8k16<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
             }
         }
     }
-}
-
-// Converts fp32 accumulators of two adjacent 8-column tiles into one 16-wide A fragment: the C
-// layout of tiles (2ks, 2ks+1) is exactly the A layout of k-step ks, so no data moves between lanes.
-template <class T, int KT>
-CF_DEVICE void acc_to_a_frag(u32 (&a)[4], const float (&c)[KT][4], int ks) {
-    a[0] = T::pack(c[2 * ks][0], c[2 * ks][1]);
-    a[1] = T::pack(c[2 * ks][2], c[2 * ks][3]);
-    a[2] = T::pack(c[2 * ks + 1][0], c[2 * ks + 1][1]);
-    a[3] = T::pack(c[2 * ks + 1][2], c[2 * ks + 1][3]);
-}
-
-// Two adjacent 8-column accumulator tiles as the four registers of stmatrix_x4 / ldmatrix_x4 (the
-// LdsmCursor "A" addressing): rows 0-7 and 8-15 of the first tile, then of the second.
-struct FragPair {
-    u32 r[4];
-};
-template <class T>
-CF_DEVICE FragPair pack_tile_pair(const float (&c0)[4], const float (&c1)[4]) {
-    return {{T::pack(c0[0], c0[1]), T::pack(c0[2], c0[3]), T::pack(c1[0], c1[1]), T::pack(c1[2], c1[3])}};
 }
 
 // One k-step of acc[MT][NT] += A * B for A fragments in registers and B (16 x NT*8, row-major in
@@ -78,8 +49,8 @@ CF_DEVICE void mma_row_major_b(float (&acc)[MT][NT][4], const u32 (&a)[MT][4], c
         ldmatrix_x4_trans(b_cur.at(ks * 16, b_chunk0 + kPairStride * np), b);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            T::mma(acc[mt][2 * np], a[mt], b[0], b[1]);
-            T::mma(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+            mma_m16n8k16<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
+            mma_m16n8k16<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
         }
     }
 }

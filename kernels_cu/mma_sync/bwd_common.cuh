@@ -1,12 +1,13 @@
-// Shared by the two dK/dV backward kernels (flash_bwd.cu, flash_bwd_fused.cu): their argument list
+// Shared by the two dK/dV backward kernels (mma_sync/flash_bwd.cu, mma_sync/flash_bwd_fused.cu): their argument list
 // (the host launches either with the same arguments; nheads serves the grouped grid order of causal
-// fused grids, BlockGrid in block_mask.cuh), the load of one query block's stage and the
+// fused grids, BlockGrid in common/block_mask.cuh), the load of one query block's stage and the
 // store of dK/dV accumulator rows.
 #pragma once
-#include "ptx.cuh"
-#include "smem_tile.cuh"
-#include "variant.cuh"
-#include "warp_gemm.cuh"
+#include "common/ptx.cuh"
+#include "mma_sync/swizzled_tile.cuh"
+#include "mma_sync/tile_copy.cuh"
+#include "common/variant.cuh"
+#include "mma_sync/warp_gemm.cuh"
 
 #define CF_BWD_MAIN_PARAMS                                                                                   \
     const u16 *__restrict__ q, const u16 *__restrict__ k, const u16 *__restrict__ v,                        \
@@ -54,7 +55,7 @@ CF_DEVICE void store_fragment_rows(const float (&acc)[kMT][kTiles][4], void* out
 template <class T, class Tile, class Cols, int kTiles>
 CF_DEVICE void stage_fragments(u32 tile, const float (&acc)[2][kTiles][4], int row0, int share, float scale,
                                int lane) {
-    const OffsetCursor<Tile> cur = Cols::cursor(LdsmCursor<Tile>(tile, row0 + lane % 16, lane / 16), share);
+    const OffsetCursor<Tile> cur = Cols::cursor(LdsmCursor<Tile>(tile, row0 + ldsm_a_row(lane), ldsm_a_chunk(lane)), share);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll

@@ -6,20 +6,8 @@
 // block drain while the next is computed; with one (a kernel short of shared memory), the next
 // block's stores wait until the reduction has read the buffer out.
 #pragma once
-#include "ptx.cuh"
-
-// The dQ accumulator's column permutation: pairs (col, col + 1) move by 8 * (row % 4) columns where
-// `mask` is 24 (head dims that are multiples of 32), nowhere where it is 0. Used by DqStaging when
-// staging and by flash_bwd_convert_kernel when reading the accumulator back.
-CF_DEVICE int dq_swizzled_col(int row, int col, int mask) { return col ^ (mask & ((row % 4) * 8)); }
-
-// The dQ accumulator's row permutation within each group of 8 rows where `interleave` is set: row
-// r of a group is kept at row 2 (r % 4) + r / 4. Used by DqStaging (kRowInterleave) when staging and
-// by flash_bwd_convert_kernel when reading the accumulator back. Query blocks start at multiples of
-// 8 rows, so a block's rows stay in its own range.
-CF_DEVICE int dq_staged_row(int row, bool interleave) {
-    return interleave ? (row & ~7) | (2 * (row & 3) + ((row >> 2) & 1)) : row;
-}
+#include "common/ptx.cuh"
+#include "common/dq_layout.cuh"
 
 // Unswizzled, unpadded rows put the 8 rows of a fragment store on the same banks (8 wavefronts per
 // warp store instead of 2). Two cures, both mirrored by the host (cuflash2/config.py):
@@ -34,7 +22,7 @@ CF_DEVICE int dq_staged_row(int row, bool interleave) {
 //     at no cost in registers (a thread's rows keep one offset), undone by the convert kernel.
 // kBufferStride: bytes from one buffer to the other; by default they are adjacent (kBytes in all),
 // but a kernel short of shared memory can stage dQ over memory of its own that is free by then, or
-// use one buffer (stride 0) and wait for each reduction to read it out (flash_bwd_fused.cu).
+// use one buffer (stride 0) and wait for each reduction to read it out (mma_sync/flash_bwd_fused.cu).
 template <int kBlockM, int kHeadDim, bool kSwizzle, int kPadBytes = 0,
           int kBufferStride = kBlockM * (kHeadDim * 4 + kPadBytes), bool kRowInterleave = false>
 struct DqStaging {

@@ -1,4 +1,6 @@
-// PTX wrappers used by every cuflash2 kernel: tensor-core MMA, ldmatrix, cp.async, conversions.
+// PTX wrappers used by every cuflash2 kernel family: cp.async, ldmatrix / stmatrix, bulk reductions,
+// fast math, shuffles and the 16-bit element types' conversions (the tensor-core MMA instructions
+// live with their family: mma_sync/mma.cuh).
 // No CUDA toolkit header is included anywhere: bare NVRTC must be able to compile these sources,
 // so 16-bit floats travel as raw u16/u32 bit patterns and are converted with PTX.
 #pragma once
@@ -76,7 +78,8 @@ CF_DEVICE void ldmatrix_x4_trans(u32 addr, u32 (&r)[4]) {
 // ---- stmatrix (sm_90): the inverse of ldmatrix_x4 -----------------------------------------------
 // Register i of every lane holds its pair of matrix i in the MMA fragment layout (row lane / 4,
 // columns 2 (lane % 4), +1); lane i supplies the row address for matrix i / 8, as for ldmatrix.
-// One instruction stores what takes four 32-bit stores, with addresses an LdsmCursor provides.
+// One instruction stores what takes four 32-bit stores, with addresses an LdsmCursor
+// (mma_sync/swizzled_tile.cuh) provides.
 // Lanes store rows other lanes address: order them before another lane's reads (__syncwarp).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 CF_DEVICE void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
@@ -108,16 +111,10 @@ CF_DEVICE u32 shfl_xor_u32(u32 v, int mask) { return __shfl_xor_sync(0xffffffffu
 
 #define CF_INF __int_as_float(0x7f800000)
 
-// ---- element types: MMA m16n8k16 with fp32 accumulation, and float <-> 16-bit conversions ------
-// D = A * B + D. A: 16x16 row-major fragment (4 regs), B: 16x8 column-major fragment (2 regs).
+// ---- element types: float <-> 16-bit conversions ------------------------------------------------
+// Kernels are templates on the element type T (Bf16 or Fp16), which also selects the MMA instruction
+// of each family (mma_sync/mma.cuh).
 struct Bf16 {
-    static CF_DEVICE void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
     // (lo, hi) -> one register, lo in the low half.
     static CF_DEVICE u32 pack(float lo, float hi) {
         u32 r;
@@ -128,13 +125,6 @@ struct Bf16 {
 };
 
 struct Fp16 {
-    static CF_DEVICE void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
     static CF_DEVICE u32 pack(float lo, float hi) {
         u32 r;
         asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));

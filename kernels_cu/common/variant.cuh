@@ -1,14 +1,14 @@
 // FlashAttention-2's optional features, as run-time parameters of the kernels instantiated with
 // kVariant = true (the plain kernels, kVariant = false, compile all of this away):
 //   varlen   packed sequences described by cumulative lengths cu_seqlens_q/k (int32, batch + 1);
-//   window   sliding-window mask (block_mask.cuh);
+//   window   sliding-window mask (common/block_mask.cuh);
 //   softcap  s = softcap * tanh(scale * q.k / softcap);
 //   ALiBi    s -= slope[batch, head] * |i + seqlen_k - seqlen_q - j|;
-//   dropout  P entries dropped by a Philox mask (philox.cuh), the kept ones scaled by 1 / (1 - p).
+//   dropout  P entries dropped by a Philox mask (common/philox.cuh), the kept ones scaled by 1 / (1 - p).
 #pragma once
-#include "ptx.cuh"
-#include "block_mask.cuh"
-#include "philox.cuh"
+#include "common/ptx.cuh"
+#include "common/block_mask.cuh"
+#include "common/philox.cuh"
 
 // Scalar kernel arguments of the optional features, gathered in one struct on the device side.
 struct VariantArgs {

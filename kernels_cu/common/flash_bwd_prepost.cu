@@ -1,8 +1,8 @@
 // Backward pre- and post-processing: D = rowsum(dO * O), and the fp32 -> output conversion of the
 // gradient accumulators (scaling dQ, summing dK/dV over the query heads of a GQA group).
-#include "ptx.cuh"
-#include "dq_staging.cuh"
-#include "smem_tile.cuh"
+#include "common/ptx.cuh"
+#include "common/dq_layout.cuh"
+#include "common/global_io.cuh"
 
 // D[b, h, i] = sum_c dO[b, i, h, c] * O[b, i, h, c] in fp32. 8 lanes per row, 16-byte loads
 // (kVecBytes-wide pieces of each 8-column chunk where rows are less aligned; zeros past head_dim).
@@ -39,7 +39,7 @@ flash_bwd_dot_do_o_kernel(const u16* __restrict__ dout, const u16* __restrict__ 
 
 // out[b, s, h, c] = scale * sum_{g < group} acc[b, s, h * group + g, c] for an fp32 accumulator
 // with the given strides (elements; dQ: (b, h, s, c), GQA dK/dV: (b, s, h * group, c)). A dQ
-// accumulator may hold its columns and rows permuted (col_swizzle, row_interleave: dq_staging.cuh);
+// accumulator may hold its columns and rows permuted (col_swizzle, row_interleave: common/dq_layout.cuh);
 // the row permutation needs the accumulator's rows padded to a multiple of 8. One thread per 4
 // columns of a row (16-byte loads, 8-byte stores: the accumulator's rows hold fp32_cols(head_dim)
 // columns, a multiple of 8, its strides multiples of 4 floats; the output takes kVecBytes-wide

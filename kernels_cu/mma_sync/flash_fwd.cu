@@ -7,12 +7,14 @@
 //
 // Two entry points share the body: flash_fwd_kernel (dense batches, plain or variant) and
 // flash_fwd_kvcache_kernel (flash_attn_with_kvcache: cache lengths, paged K/V, split-KV).
-#include "ptx.cuh"
-#include "smem_tile.cuh"
-#include "block_mask.cuh"
-#include "variant.cuh"
-#include "online_softmax.cuh"
-#include "warp_gemm.cuh"
+#include "common/ptx.cuh"
+#include "mma_sync/swizzled_tile.cuh"
+#include "mma_sync/tile_copy.cuh"
+#include "common/block_mask.cuh"
+#include "common/variant.cuh"
+#include "mma_sync/online_softmax.cuh"
+#include "mma_sync/warp_gemm.cuh"
+#include "mma_sync/score_ops.cuh"
 
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages_, bool kCausal>
 struct FwdTraits {
@@ -55,60 +57,6 @@ struct FwdTraits {
     static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
     static_assert(kStages >= 2, "the K/V ring needs at least two slots");
 };
-
-// Masked-out scores become -inf (exp2 -> 0).
-template <class Tr, class Mask>
-CF_DEVICE void apply_mask(float (&s)[Tr::kMTiles][Tr::kNTiles][4], const Mask& mask, int row0, int col0, int lane) {
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < Tr::kNTiles; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                int row = row0 + mt * 16 + (lane >> 2) + (i >= 2 ? 8 : 0);
-                int col = col0 + nt * 8 + (lane & 3) * 2 + (i & 1);
-                if (!mask.visible(row, col)) s[mt][nt][i] = -CF_INF;
-            }
-}
-
-// Softcap / ALiBi (variant kernels only): raw products -> natural-log-domain logits.
-template <class Tr>
-CF_DEVICE void apply_score_mod(float (&s)[Tr::kMTiles][Tr::kNTiles][4], const ScoreMod& mod, int row0, int col0,
-                               int lane) {
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < Tr::kNTiles; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                s[mt][nt][i] = mod.apply(s[mt][nt][i], row0 + mt * 16 + (lane >> 2) + (i >= 2 ? 8 : 0),
-                                         col0 + nt * 8 + (lane & 3) * 2 + (i & 1));
-}
-
-// Dropout (variant kernels): zero the dropped entries of P = exp(S - max). The row sums already
-// hold every entry (the softmax is over all keys); the 1 / (1 - p) of the kept ones is folded into
-// the final normalisation. Key blocks start at multiples of 32 and span 4k column tiles, so a lane's
-// entries of one row in tiles 4g..4g+3 are one Philox block (philox.cuh), slot 2 (nt % 4) + e.
-template <class Tr>
-CF_DEVICE void apply_dropout(float (&p)[Tr::kMTiles][Tr::kNTiles][4], const Dropout& drop, int bh, int row0,
-                             int col0, int lane) {
-    static_assert(Tr::kNTiles % 4 == 0, "dropout draws cover four 8-key tiles (key blocks of 32k keys)");
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = row0 + mt * 16 + lane / 4 + 8 * r;
-#pragma unroll
-            for (int g = 0; g < Tr::kNTiles / 4; ++g) {
-                const Philox4 rnd = drop.block(row, col0 + g * 32 + (lane % 4) * 2, bh);
-#pragma unroll
-                for (int t = 0; t < 4; ++t)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        if (!drop.keep(rnd, 2 * t + e)) p[mt][4 * g + t][2 * r + e] = 0.f;
-            }
-        }
-}
 
 #define CF_FWD_PARAMS                                                                                   \
     const u16 *__restrict__ q, const u16 *__restrict__ k, const u16 *__restrict__ v, u16 *__restrict__ o, \
@@ -159,7 +107,7 @@ struct FwdBlock {
     SeqRange seq;
 };
 
-// The forward's grid: causal grids take the grouped order (BlockGrid, block_mask.cuh), the KV-cache
+// The forward's grid: causal grids take the grouped order (BlockGrid, common/block_mask.cuh), the KV-cache
 // grids keep (splits x query blocks, heads, batch).
 template <bool kCausal, bool kKvCache>
 using FwdGrid = BlockGrid<kCausal && !kKvCache>;
@@ -278,9 +226,8 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
             // kRebuildAddresses: an opaque lane id, so that the cursors' swizzled addresses are
             // computed here instead of being hoisted out of the loop (a dozen registers).
             const int lane_c = Tr::kRebuildAddresses ? opaque_int(lane) : lane;
-            const LdsmCursor<typename Tr::QTile> q_cur(q_smem, warp_row0 + lane_c % 16, lane_c / 16);
-            const LdsmCursor<typename Tr::KVTile> k_cur(kv_smem + (t % kStages) * Tr::KVTile::kBytes,
-                                                       (lane_c / 16) * 8 + lane_c % 8, (lane_c / 8) % 2);
+            const LdsmCursor<typename Tr::QTile> q_cur(q_smem, warp_row0 + ldsm_a_row(lane_c), ldsm_a_chunk(lane_c));
+            const LdsmCursor<typename Tr::KVTile> k_cur(kv_smem + (t % kStages) * Tr::KVTile::kBytes, ldsm_bt_row(lane_c), ldsm_bt_chunk(lane_c));
             cp_async_wait<kStages - 2>();
             __syncthreads();  // K_n landed for all threads; the slot refilled next is no longer read
             load_kv_tile(t + kStages - 1);
@@ -303,8 +250,7 @@ CF_DEVICE void flash_fwd_body(CF_FWD_PARAMS, const VariantArgs& va, const KvCach
             if (Tr::kSumsInSmem) softmax.template store_sums<Tr::kThreads>(row_sums);
             if (dropping) apply_dropout<Tr>(s, va.dropout(), batch * FwdGrid<kCausal, kKvCache>::heads(nheads) + head, row0, col0, lane);
             const int lane_v = Tr::kRebuildAddresses ? opaque_int(lane) : lane;
-            const LdsmCursor<typename Tr::KVTile> v_cur(kv_smem + ((t + 1) % kStages) * Tr::KVTile::kBytes,
-                                                       lane_v % 16, lane_v / 16);
+            const LdsmCursor<typename Tr::KVTile> v_cur(kv_smem + ((t + 1) % kStages) * Tr::KVTile::kBytes, ldsm_a_row(lane_v), ldsm_a_chunk(lane_v));
             gemm_rs<T, Tr::kMTiles, Tr::kNTiles, Tr::kDTiles>(acc_o, s, v_cur);  // O += P V
         };
         auto needs_mask = [&](int it) { return mask.block_needs_mask(m_block, n_end - 1 - it, kBlockM, kBlockN); };
@@ -538,7 +484,7 @@ flash_fwd_decode_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS, CF_KVCACHE_PARAMS) {
 #pragma unroll
         for (int t = 0; t < kStages - 1; ++t) load_kv_tile(t);  // Q rides in the first group
         const int key0 = warp * Tr::kWarpKeys;  // this warp's keys within every tile
-        const LdsmCursor<typename Tr::QTile> q_cur(q_smem, lane % 16, lane / 16);
+        const LdsmCursor<typename Tr::QTile> q_cur(q_smem, ldsm_a_row(lane), ldsm_a_chunk(lane));
         for (int it = 0; it < n_blocks; ++it) {  // S = Q K^T, mask, online softmax, O += P V
             const int n_block = n_end - 1 - it, t = 2 * it;
             const LdsmCursor<typename Tr::KVTile> k_cur(kv_smem + (t % kStages) * Tr::KVTile::kBytes,
@@ -557,8 +503,7 @@ flash_fwd_decode_kernel(CF_FWD_PARAMS, CF_VARIANT_PARAMS, CF_KVCACHE_PARAMS) {
             if (mod.active) apply_score_mod<Tr>(s, mod, row0, col0, lane);
             if (mask.block_needs_mask(m_block, n_block, Tr::kBlockM, kBlockN)) apply_mask<Tr>(s, mask, row0, col0, lane);
             softmax.update(s, acc_o, scale_log2);
-            const LdsmCursor<typename Tr::KVTile> v_cur(kv_smem + ((t + 1) % kStages) * Tr::KVTile::kBytes,
-                                                       key0 + lane % 16, lane / 16);
+            const LdsmCursor<typename Tr::KVTile> v_cur(kv_smem + ((t + 1) % kStages) * Tr::KVTile::kBytes, key0 + ldsm_a_row(lane), ldsm_a_chunk(lane));
             gemm_rs<T, 1, Tr::kNTiles, Tr::kDTiles>(acc_o, s, v_cur);
         }
     }

@@ -6,7 +6,7 @@
 // without it the left side is unbounded and the right side is 0 (causal) or unbounded, known at
 // compile time, so the plain kernels carry no window arithmetic.
 #pragma once
-#include "ptx.cuh"
+#include "common/ptx.cuh"
 
 template <bool kCausal, bool kWindow = false>
 struct BlockMask {
