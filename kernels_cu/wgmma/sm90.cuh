@@ -2,7 +2,7 @@
 // warpgroup MMA protocol, shared-memory matrix descriptors, register reallocation and named
 // barriers. Bare PTX (no CUDA headers), so NVRTC compiles it without a toolkit.
 #pragma once
-#include "ptx.cuh"
+#include "common/ptx.cuh"
 
 typedef unsigned long long u64;
 
