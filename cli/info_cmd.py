@@ -95,7 +95,7 @@ def _peak(gpu_name: str | None) -> str:
 def collect() -> list[tuple[str, list[tuple[str, str]]]]:
     """Sections of (key, value) pairs; works without a GPU and without CuPy."""
     import cuflash2
-    from cuflash2 import compiler
+    from cuflash2.runtime import compiler
 
     cp, reason = gpu.find_gpu()
     try:
@@ -142,7 +142,8 @@ def collect_json() -> dict:
     """The facts of `cuflash2 info` for machines: snake_case keys, numbers and booleans as such,
     null where a value is absent or unknown, paths and sizes as separate fields."""
     import cuflash2
-    from cuflash2 import bench, compiler
+    from cuflash2 import bench
+    from cuflash2.runtime import compiler
 
     cp, reason = gpu.find_gpu()
     try:

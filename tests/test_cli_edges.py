@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 import cuflash2
-from cuflash2 import compiler
-from cuflash2 import config as cfg
+from cuflash2.runtime import compiler
+from cuflash2.families import mma_sync as cfg
 from cuflash2.cli import errors, gpu, main as main_module, progress
 from cuflash2.cli.main import main
 
@@ -118,7 +118,7 @@ def test_cuda_no_device_error_mid_command(monkeypatch):
 
 
 def test_api_missing_cupy_error_in_a_command(monkeypatch):
-    from cuflash2 import interop
+    from cuflash2.runtime import device as interop
     from cuflash2.cli import check_cmd
 
     monkeypatch.setattr(check_cmd, "_plan", _raise(RuntimeError(interop.CUPY_MISSING)))
@@ -135,7 +135,7 @@ def test_other_errors_still_raise(monkeypatch):
 
 
 def test_hints_are_runnable_commands():
-    for message in (errors.cupy_missing(), errors.nvrtc_missing(), cuflash2.interop.CUPY_MISSING):
+    for message in (errors.cupy_missing(), errors.nvrtc_missing(), cuflash2.runtime.device.CUPY_MISSING):
         assert re.search(r"pip install '\.\[cuda1[23]\]'", message) and "checkout" in message, message
         assert "cuflash2[cuda" not in message  # not on a package index yet
 

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 import cuflash2
-from cuflash2 import compiler
+from cuflash2.runtime import compiler
 from cuflash2.cli.main import main
 
 
