@@ -237,7 +237,7 @@ def test_info_json_is_machine_readable(monkeypatch, tmp_path, with_gpu):
     facts = json.loads(result.output)
     for where, key in _keys(facts):
         assert re.fullmatch(r"[a-z][a-z0-9_]*", key) or where.startswith(".interop."), where
-    assert set(facts) == {"cuflash2", "kernel_cache", "gpu", "versions", "interop", "peak"}
+    assert set(facts) == {"cuflash2", "kernel_cache", "gpu", "versions", "interop", "peak", "families"}
     assert facts["cuflash2"]["version"] == cuflash2.__version__
     assert isinstance(facts["cuflash2"]["backward_available"], bool)
     assert facts["kernel_cache"] == {"path": str(tmp_path), "exists": True, "files": 1, "size_bytes": 3000}

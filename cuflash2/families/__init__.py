@@ -6,12 +6,16 @@ and the stream. A family is an object with:
 
     name: str
     supports(arch: int, problem: AttentionProblem, direction: str) -> bool
-    forward(problem, q, k, v, out, lse, device_id: int, stream) -> None        # direction "forward"
-    backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream)  # direction "backward"
-    kvcache_launches(...), paged_forward(...)                                   # direction "kvcache"
+    forward(problem, q, k, v, out, lse, device_id: int, stream) -> None     # "forward"
+    backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream,
+             deterministic) -> None                                         # "backward"
+    kvcache(cache, tensors, causal, features, interleaved, num_splits, aligns, device_id,
+            stream) -> None, paged_forward(...) -> None                     # "kvcache"
 
-(only the entry points of the directions its `supports` accepts), plus `all_configs(arch)`, the
-instantiations `cuflash2 compile` builds. Entry points launch through cuflash2.runtime.launcher,
+(only the entry points of the directions its `supports` accepts; q, k, ... are described tensors,
+cuflash2.runtime.tensors.TensorInfo, and stream a CuPy stream), plus `all_configs(arch)`, the
+instantiations it compiles. A new family is a subpackage here whose FAMILY object is added to
+FAMILIES (the most preferred first). Entry points launch through cuflash2.runtime.launcher,
 which is what lets cuflash2.core.replay record and replay their launches.
 
 Families are tried in the order of FAMILIES: the first that supports a call runs it. The
