@@ -298,6 +298,6 @@ def clear() -> None:
     RECORDINGS.clear()
 
 
-__all__ = ["CALLS", "FAST_CALLS", "KVCACHE_STEPS", "RECORDINGS", "RecordedLaunch", "Recorder", "Recording", "Replay",
-           "ReplayCache", "UNREPLAYABLE", "clear", "fill_arguments", "is_contiguous", "record", "recorded_launches", "replay", "scratch_layout",
-           "stand_in", "used_as_given"]
+__all__ = ["CALLS", "FAST_CALLS", "KVCACHE_STEPS", "RECORDINGS", "UNREPLAYABLE", "RecordedLaunch", "Recorder",
+           "Recording", "Replay", "ReplayCache", "clear", "fill_arguments", "is_contiguous", "record",
+           "recorded_launches", "replay", "scratch_layout", "stand_in", "used_as_given"]

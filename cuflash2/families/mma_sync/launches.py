@@ -96,7 +96,8 @@ def forward(q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: T
     if config.grouped_grid and m_blocks > MAX_GRID_YZ:  # grouped grids hold the query blocks in grid y
         raise ValueError(f"q: the causal forward handles at most {MAX_GRID_YZ * config.block_m} query rows per "
                          f"sequence with head dim {shape.head_dim}, got {shape.seqlen_q}")
-    launcher.launch_kernel(config, device_id, stream, _main_grid(config, device_id, m_blocks, shape.nheads, shape.batch),
+    grid = _main_grid(config, device_id, m_blocks, shape.nheads, shape.batch)
+    launcher.launch_kernel(config, device_id, stream, grid,
             (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(out.data_ptr), _ptr(lse.data_ptr),
              *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
              *_seqlen_args(shape, features), _i32(shape.head_dim), _i32(shape.kv_group),
@@ -168,7 +169,8 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
                  *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *dk_strides, *dv_strides, *tail,
                  _i32(h)))
     if plan.dq is not None:
-        launcher.launch_kernel(plan.dq, device_id, stream, (math.ceil(shape.seqlen_q / plan.dq.block_m), h, shape.batch),
+        grid = (math.ceil(shape.seqlen_q / plan.dq.block_m), h, shape.batch)
+        launcher.launch_kernel(plan.dq, device_id, stream, grid,
                 (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(dout.data_ptr), _ptr(lse.data_ptr),
                  _ptr(delta_i.data_ptr), _ptr(dq.data_ptr), *_strides3(q), *_strides3(k), *_strides3(v),
                  *_strides3(dout), *_strides3(dq), *tail))
