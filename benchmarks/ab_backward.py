@@ -10,9 +10,11 @@ import cupy as cp
 import numpy as np
 from ab_forward import compare, parse_args, problems
 
-from cuflash2 import bench, launch
-from cuflash2.config import backward_plan
-from cuflash2.interop import describe
+from cuflash2 import bench
+from cuflash2.families.mma_sync import launches as launch
+from cuflash2.runtime import launcher
+from cuflash2.families.mma_sync import backward_plan
+from cuflash2.frameworks.arrays import describe
 
 
 def main():

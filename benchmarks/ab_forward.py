@@ -17,10 +17,13 @@ import statistics
 import cupy as cp
 import numpy as np
 
-from cuflash2 import bench, compiler, launch
-from cuflash2.config import forward_config
-from cuflash2.interop import describe
-from cuflash2.validate import AttentionShape
+from cuflash2 import bench
+from cuflash2.runtime import compiler
+from cuflash2.families.mma_sync import launches as launch
+from cuflash2.runtime import launcher
+from cuflash2.families.mma_sync import forward_config
+from cuflash2.frameworks.arrays import describe
+from cuflash2.problem.tensors import AttentionShape
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 

@@ -51,9 +51,11 @@ def worker(args):
     import cupy as cp
     import numpy as np
 
-    from cuflash2 import bench, launch
-    from cuflash2.interop import describe
-    from cuflash2.validate import AttentionShape
+    from cuflash2 import bench
+    from cuflash2.families.mma_sync import launches as launch
+    from cuflash2.runtime import launcher
+    from cuflash2.frameworks.arrays import describe
+    from cuflash2.problem.tensors import AttentionShape
 
     device = cp.cuda.Device().id
     stream = cp.cuda.get_current_stream()
@@ -82,7 +84,7 @@ def timed_call(launch, mode, forward_infos, backward_arrays, shape, causal, devi
         return lambda: launch.forward(*forward_infos, shape, causal, device, stream)
     import cupy as cp
 
-    from cuflash2.interop import describe
+    from cuflash2.frameworks.arrays import describe
 
     grads = [cp.empty_like(x) for x in backward_arrays[1:4]]
     infos = [describe("x", x) for x in (*backward_arrays, *grads)]

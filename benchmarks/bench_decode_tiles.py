@@ -5,7 +5,9 @@ import cupy as cp
 import numpy as np
 
 import cuflash2
-from cuflash2 import config, kvcache
+from cuflash2.core import replay
+from cuflash2.families import mma_sync as config
+from cuflash2.families.mma_sync import kvcache_launches
 from cuflash2.bench import time_cuda_ms
 
 # (kernel, block_m, block_n, warps, stages). Row-split tiles: small query blocks, since a 4-row GQA
@@ -14,7 +16,7 @@ from cuflash2.bench import time_cuda_ms
 KV, DEC = config.FWD_KVCACHE, config.FWD_DECODE
 CANDIDATES = [(KV, 64, 128, 4, 3), (KV, 32, 128, 2, 3), (KV, 32, 64, 2, 4), (DEC, 16, 128, 4, 3), (DEC, 16, 128, 8, 3),
               (DEC, 16, 64, 4, 4), (DEC, 16, 64, 4, 6), (DEC, 16, 128, 4, 2), (DEC, 16, 256, 8, 2)]
-default_config = kvcache.kvcache_config
+default_config = kvcache_launches.kvcache_config
 
 for batch, kv_len in ((64, 2048), (64, 8192), (16, 2048), (16, 8192), (16, 65536), (1, 65536)):
     rng = np.random.default_rng(0)
@@ -28,8 +30,8 @@ for batch, kv_len in ((64, 2048), (64, 8192), (16, 2048), (16, 8192), (16, 65536
     for tile in CANDIDATES:
         kernel, block_m, block_n, warps, stages = tile
         chosen = config.KernelConfig(kernel, "fp16", 128, block_m, block_n, warps, stages, False, variant=True)
-        kvcache.kvcache_config = lambda *args, chosen=chosen: chosen
-        kvcache.clear_plans()  # launch plans hold their tile: rebuild them for this one
+        kvcache_launches.kvcache_config = lambda *args, chosen=chosen: chosen
+        replay.clear()  # recorded launches hold their tile: record them again for this one
         try:
             err = float(np.abs(cp.asnumpy(call()).astype(np.float32) - reference).max())
             ms = time_cuda_ms(call, 5, 20)
@@ -38,7 +40,7 @@ for batch, kv_len in ((64, 2048), (64, 8192), (16, 2048), (16, 8192), (16, 65536
         except Exception as exc:  # a tile that does not fit this GPU
             print(f"batch {batch} kv {kv_len} tile {chosen.short_id()}: {type(exc).__name__}: {exc}"[:160], flush=True)
         finally:
-            kvcache.kvcache_config = default_config
-            kvcache.clear_plans()
+            kvcache_launches.kvcache_config = default_config
+            replay.clear()
     del k_cache, v_cache
     cp.get_default_memory_pool().free_all_blocks()

@@ -12,10 +12,12 @@ import cupy as cp
 import numpy as np
 
 import cuflash2
-from cuflash2 import bench, launch
-from cuflash2.interop import describe
-from cuflash2.config import FUSED_BWD_HEAD_DIMS, FWD, KernelConfig, forward_config
-from cuflash2.validate import AttentionShape
+from cuflash2 import bench
+from cuflash2.families.mma_sync import launches as launch
+from cuflash2.runtime import launcher
+from cuflash2.frameworks.arrays import describe
+from cuflash2.families.mma_sync import FUSED_BWD_HEAD_DIMS, FWD, KernelConfig, forward_config
+from cuflash2.problem.tensors import AttentionShape
 
 
 def torch_sdpa(backend_name):

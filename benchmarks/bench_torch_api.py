@@ -16,7 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cuflash2  # noqa: E402
-from cuflash2 import bench, torch_ops  # noqa: E402
+from cuflash2 import bench
+from cuflash2.frameworks import torch_adapter as torch_ops  # noqa: E402
 
 PATHS = ("eager", "op", "flash")
 original_compiling = torch_ops._compiling  # "op" replaces it: calls then take the custom ops

@@ -12,9 +12,12 @@ import numpy as np
 import torch
 
 import cuflash2
-from cuflash2 import api, call_plans, interop, launch
-from cuflash2.interop import describe
-from cuflash2.validate import AttentionShape, validate_qkv
+from cuflash2.core import replay
+from cuflash2.families.mma_sync import launches as launch
+from cuflash2.frameworks import adapter_for
+from cuflash2.frameworks.arrays import describe
+from cuflash2.problem.options import AttentionOptions
+from cuflash2.problem.tensors import AttentionShape, validate_qkv
 
 
 def wall_us(fn, calls):
@@ -32,9 +35,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--shape", default="1,64,2,64")
-    parser.add_argument("--full-path", action="store_true", help="no call plans (cuflash2.call_plans.FAST_CALLS off)")
+    parser.add_argument("--full-path", action="store_true", help="no replays (cuflash2.core.replay.FAST_CALLS off)")
     args = parser.parse_args()
-    call_plans.FAST_CALLS = not args.full_path
+    replay.FAST_CALLS = not args.full_path
     b, s, h, d = map(int, args.shape.split(","))
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
@@ -63,7 +66,7 @@ def main():
 
     def with_call(body):
         def run():
-            with interop.gpu_call(qc) as call:
+            with adapter_for(qc).call(qc) as call:
                 body(call)
         return run
 
@@ -73,7 +76,8 @@ def main():
         "torch SDPA flash forward (no grad)": lambda: sdpa(qd, kd, vd),
         "cuflash2 torch forward (no grad)": lambda: cuflash2.flash_attn_func(qd, kd, vd, causal=True),
         "cuflash2 torch forward (requires grad)": lambda: cuflash2.flash_attn_func(q, k, v, causal=True),
-        "  api.forward_into (torch, given out/lse)": lambda: api.forward_into(qd, kd, vd, out_t, lse_t, causal=True),
+        "  adapter forward_into (torch, given out/lse)": lambda: adapter_for(qd).forward_into(
+            qd, kd, vd, out_t, lse_t, None, AttentionOptions(causal=True)),
         "cuflash2 cupy flash_attn_forward": lambda: cuflash2.flash_attn_forward(qc, kc, vc, causal=True),
         "  launch.forward (launch level)": lambda: launch.forward(*infos_f, shape, True, 0, stream),
         "  gpu_call context only (cupy)": with_call(lambda call: None),
@@ -90,7 +94,7 @@ def main():
         "  launch.backward (launch level)": lambda: launch.backward(*infos_b, shape, True, False, 0, stream),
     }
     print(f"shape (b, s, h, d) = {(b, s, h, d)}, bf16, causal; {args.calls} back-to-back calls each; "
-          f"call plans {'off' if args.full_path else 'on'}")
+          f"replays {'off' if args.full_path else 'on'}")
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         for name, fn in rows.items():
             print(f"{name:45s} {wall_us(fn, args.calls):8.1f} us/call")

@@ -19,7 +19,7 @@ Usage: python benchmarks/schedule_model.py [--sms 132] [--fixed 1]
 import argparse
 import heapq
 
-from cuflash2 import config
+from cuflash2.families import mma_sync as config
 
 
 def makespan(works, slots):

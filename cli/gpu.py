@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cuflash2.interop import CUPY_MISSING
+from cuflash2.runtime.device import CUPY_MISSING
 
 
 def find_gpu():

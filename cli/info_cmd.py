@@ -13,6 +13,10 @@ import click
 from . import gpu
 
 FRAMEWORKS = (("torch", "torch"), ("jax", "jax"))  # (module, distribution)
+#: The problem whose kernel family `info` reports: (batch, seqlen, heads, head dim, causal), bf16.
+FAMILY_PROBLEM = (2, 512, 8, 128, True)
+#: The arch the family choice is shown for when there is no GPU (and no --arch).
+DEFAULT_ARCH = 90
 
 
 def _dist_version(dist: str) -> str | None:
@@ -92,10 +96,49 @@ def _peak(gpu_name: str | None) -> str:
     return f"{peak:g} TFLOP/s ({source})"
 
 
-def collect() -> list[tuple[str, list[tuple[str, str]]]]:
+def family_choice(arch: int) -> dict:
+    """Which kernel family runs each direction of FAMILY_PROBLEM on `arch`, and the variable that
+    can force one (an invalid value is reported as the value, not raised: info never fails)."""
+    from cuflash2 import families
+    from cuflash2.problem.features import AttentionProblem
+    from cuflash2.problem.tensors import AttentionShape
+
+    batch, seqlen, heads, head_dim, causal = FAMILY_PROBLEM
+    problem = AttentionProblem(AttentionShape(batch, seqlen, seqlen, heads, heads, head_dim, "bfloat16",
+                                              head_dim ** -0.5), causal)
+    choice = {"arch": arch, "variable": os.environ.get(families.FAMILY_VARIABLE, "") or "auto",
+              "problem": f"batch {batch}, seqlen {seqlen}, {heads} heads, head dim {head_dim}, "
+                         f"{'causal' if causal else 'not causal'}, bf16"}
+    for direction in families.DIRECTIONS:
+        try:
+            choice[direction] = families.family_for(arch, problem, direction).name
+        except ValueError as exc:
+            choice[direction] = f"unavailable ({exc})"
+    return choice
+
+
+def _arch_of(cp, arch: int | None) -> tuple[int, str]:
+    """(arch, where it comes from): --arch, the local GPU, or DEFAULT_ARCH without one."""
+    if arch is not None:
+        return arch, "--arch"
+    if cp is not None:
+        info = gpu.gpu_info(cp)
+        return info.major * 10 + info.minor, "this GPU"
+    return DEFAULT_ARCH, "no GPU: the default"
+
+
+def _family_section(cp, arch: int | None) -> list[tuple[str, str]]:
+    arch, source = _arch_of(cp, arch)
+    choice = family_choice(arch)
+    rows = [("problem", f"{choice['problem']} on sm_{arch} ({source})"),
+            ("CUFLASH2_FAMILY", choice["variable"])]
+    return rows + [(direction, choice[direction]) for direction in ("forward", "backward", "kvcache")]
+
+
+def collect(arch: int | None = None) -> list[tuple[str, list[tuple[str, str]]]]:
     """Sections of (key, value) pairs; works without a GPU and without CuPy."""
     import cuflash2
-    from cuflash2 import compiler
+    from cuflash2.runtime import compiler
 
     cp, reason = gpu.find_gpu()
     try:
@@ -113,6 +156,7 @@ def collect() -> list[tuple[str, list[tuple[str, str]]]]:
     sections.append(("Versions", versions))
     sections.append(("Interop", [(module, framework_status(module, dist)) for module, dist in FRAMEWORKS]))
     sections.append(("Utilisation", [("peak", _peak(gpu_name))]))
+    sections.append(("Kernel families", _family_section(cp, arch)))
     return sections
 
 
@@ -138,11 +182,12 @@ def _framework_facts(module: str, dist: str) -> dict:
     return {"installed": installed, "version": _dist_version(dist) if installed else None}
 
 
-def collect_json() -> dict:
+def collect_json(arch: int | None = None) -> dict:
     """The facts of `cuflash2 info` for machines: snake_case keys, numbers and booleans as such,
     null where a value is absent or unknown, paths and sizes as separate fields."""
     import cuflash2
-    from cuflash2 import bench, compiler
+    from cuflash2 import bench
+    from cuflash2.runtime import compiler
 
     cp, reason = gpu.find_gpu()
     try:
@@ -186,6 +231,7 @@ def collect_json() -> dict:
         "versions": versions,
         "interop": {module: _framework_facts(module, dist) for module, dist in FRAMEWORKS},
         "peak": peak,
+        "families": family_choice(_arch_of(cp, arch)[0]),
     }
 
 
@@ -202,15 +248,24 @@ def render_sections(sections) -> str:
 @click.option("--json", "as_json", is_flag=True,
               help="Print the facts as JSON for machines: snake_case keys, numbers and booleans as such, null "
                    "where absent, paths and sizes in separate fields.")
-def info_command(as_json: bool) -> None:
-    """Show the GPU, toolchain versions, interop frameworks, kernel cache and peak.
+@click.option("--arch", default=None, help="Show the kernel family choice for this arch, e.g. sm_90 (default: the "
+                                           "local GPU's, or sm_90 without one).")
+def info_command(as_json: bool, arch: str | None) -> None:
+    """Show the GPU, toolchain versions, interop frameworks, kernel cache, peak and kernel families.
 
     Works without a GPU (and without CuPy) and says so.
     """
+    arch_number = None
+    if arch is not None:
+        text = arch.strip().lower().removeprefix("sm_").removesuffix("a")
+        if not text.isdigit() or int(text) < 80:
+            raise click.BadParameter(f"expected an arch like sm_80 or sm_90 (>= sm_80), got {arch!r}",
+                                     param_hint="--arch")
+        arch_number = int(text)
     if as_json:
-        click.echo(json.dumps(collect_json(), indent=2))
+        click.echo(json.dumps(collect_json(arch_number), indent=2))
         return
-    sections = collect()
+    sections = collect(arch_number)
     click.echo(render_sections(sections), nl=False)
     if dict(sections[1][1])["device"].startswith("none"):
         click.echo("\nNo GPU: GPU kernels cannot run here; `cuflash2 check` runs the NumPy (CPU) checks only.")

@@ -8,8 +8,8 @@ import sys
 import click
 
 import cuflash2
-from cuflash2 import config as cfg
-from cuflash2.interop import CUPY_MISSING
+from cuflash2.families import mma_sync as cfg
+from cuflash2.runtime.device import CUPY_MISSING
 
 from .bench_cmd import bench_command
 from .check_cmd import check_command
@@ -144,7 +144,7 @@ def _run_all(worker, items, jobs: int):
 
 
 def _compile_offline(archs: list[int], dims: list[int], dtypes: list[str], kinds, jobs: int = 1) -> CompileSummary:
-    from cuflash2.compiler import nvrtc_version, offline_report
+    from cuflash2.runtime.compiler import nvrtc_version, offline_report
 
     nvrtc_version()  # no CuPy or no NVRTC: one error now, not one per kernel (cli.errors words it)
     items = [(config, f"sm_{arch}") for arch in archs for config in _configs(arch, dims, dtypes, kinds)]
@@ -159,7 +159,7 @@ def _compile_offline(archs: list[int], dims: list[int], dtypes: list[str], kinds
 
 
 def _compile_local(dims: list[int], dtypes: list[str], kinds, jobs: int = 1) -> CompileSummary:
-    from cuflash2.compiler import local_report, nvrtc_version
+    from cuflash2.runtime.compiler import local_report, nvrtc_version
 
     from . import errors, gpu
 

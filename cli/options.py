@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cuflash2 import config as cfg
+from cuflash2.families import mma_sync as cfg
 
 COMPARE_CHOICES = ("torch-flash", "torch-cudnn", "torch-efficient")
 

@@ -15,12 +15,12 @@ if (_checkout / "cli").is_dir() and not (_pathlib.Path(__file__).parent / "cli")
 
 from .api import (
     attention_probs,
+    flash_attn_backward,
     flash_attn_forward,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
 )
-from .backward import flash_attn_backward
 from .kvcache import flash_attn_with_kvcache
 from .varlen import (
     flash_attn_varlen_backward,

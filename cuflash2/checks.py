@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 
-from .interop import as_float32
+from .materialize import as_float32
 
 FWD_MULTIPLIER = 2.0
 BWD_MULTIPLIER = 3.0

@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 import cuflash2
-from cuflash2 import launch
-from cuflash2.config import fused_backward_supported, head_dim_bucket
-from cuflash2.interop import describe
-from cuflash2.validate import AttentionShape
+from cuflash2.families.mma_sync import launches as launch
+from cuflash2.runtime import launcher
+from cuflash2.families.mma_sync import fused_backward_supported, head_dim_bucket
+from cuflash2.frameworks.arrays import describe
+from cuflash2.problem.tensors import AttentionShape
 
 
 def main():

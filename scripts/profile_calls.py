@@ -13,7 +13,8 @@ import cupy as cp
 import numpy as np
 
 import cuflash2
-from cuflash2 import kvcache, launch
+from cuflash2 import kvcache
+from cuflash2.runtime import launcher
 from cuflash2.bench import time_cuda_ms
 
 
@@ -55,7 +56,7 @@ def profile(name, fn):
     # (label, packed launch, decoding-step fast path): CuPy's launcher, packed arguments, fast path
     for label, packed, fast in (("cupy launcher", False, False), ("packed launch", True, False),
                                 ("fast step    ", True, True)):
-        launch.PACKED_LAUNCH, kvcache.FAST_STEPS = packed, fast
+        launcher.PACKED_LAUNCH, kvcache.FAST_STEPS = packed, fast
         wall = wall_us(fn)
         event = time_cuda_ms(fn) * 1e3
         print(f"{name} {label}: wall per call {wall:.1f} us, CUDA-event time per call {event:.1f} us")

@@ -9,10 +9,12 @@ import ml_dtypes
 import numpy as np
 
 import cuflash2
-from cuflash2 import launch
-from cuflash2.config import fused_backward_supported, head_dim_bucket
-from cuflash2.interop import as_float32, describe
-from cuflash2.validate import validate_qkv
+from cuflash2.families.mma_sync import launches as launch
+from cuflash2.runtime import launcher
+from cuflash2.families.mma_sync import fused_backward_supported, head_dim_bucket
+from cuflash2.frameworks.arrays import describe
+from cuflash2.materialize import as_float32
+from cuflash2.problem.tensors import validate_qkv
 
 cp.cuda.set_allocator(None)
 rng = np.random.default_rng(0)

@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 
 from cuflash2.checks import attention_ref, round_to  # noqa: F401  (re-exported for the tests)
-from cuflash2.interop import as_float32
+from cuflash2.materialize import as_float32
 
 
 def stable_seed(*parts) -> int:

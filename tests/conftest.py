@@ -42,11 +42,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_call_plans():
-    """Each test starts without recorded call plans (cuflash2.call_plans): a test that patches the
-    launch choices (say launch._slots) must not replay a plan recorded by an earlier test."""
-    from cuflash2 import call_plans
+def _fresh_replays():
+    """Each test starts without recorded launches (cuflash2.core.replay): a test that patches the
+    launch choices (say launcher.resident_slots) must not replay launches recorded by an earlier test."""
+    from cuflash2.core import replay
 
-    call_plans.clear()
+    replay.clear()
     yield
-    call_plans.clear()
+    replay.clear()

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 from attention_ref import attention_backward_ref, attention_ref, round_to
 
-from cuflash2.interop import as_float32
+from cuflash2.materialize import as_float32
 
 NP_DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -226,7 +226,9 @@ def fill_normal(cp, x, seed, scale=1.0, chunk=1 << 27):
 def backward_is_reproducible(dtype: str, head_dim: int, nheads: int, nheads_kv: int, causal: bool) -> bool:
     """Whether the default backward plan on GPU 0 gives bit-identical gradients run to run: true
     unless the main kernel adds dQ with fp32 reductions in a varying order (the sm_90 fused plan)."""
-    from cuflash2 import config, launch
+    from cuflash2.families import mma_sync as config
+    from cuflash2.families.mma_sync import launches as launch
+    from cuflash2.runtime import launcher
 
     plan = config.backward_plan(head_dim, launch.SHORT_DTYPE.get(dtype, dtype), causal, launch.device_arch(0), gqa=nheads != nheads_kv)
     return plan.dq is not None

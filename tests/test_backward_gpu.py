@@ -6,7 +6,7 @@ import pytest
 from attention_ref import attention_backward_ref, stable_seed
 from test_forward_gpu import HEAD_DIMS, SEQLENS, check_forward, make_inputs
 
-from cuflash2.interop import as_float32
+from cuflash2.materialize import as_float32
 
 pytestmark = pytest.mark.gpu
 
@@ -130,9 +130,10 @@ def test_sm90_dq_plans_match_reference(plan, head_dim, dtype, heads_kv, causal, 
     import cupy as cp
 
     import cuflash2
-    from cuflash2 import launch
-    from cuflash2.interop import describe
-    from cuflash2.validate import validate_qkv
+    from cuflash2.families.mma_sync import launches as launch
+    from cuflash2.runtime import launcher
+    from cuflash2.frameworks.arrays import describe
+    from cuflash2.problem.tensors import validate_qkv
 
     if launch.device_arch(0) < 90:
         pytest.skip("bulk reductions need sm_90")
@@ -160,10 +161,11 @@ def test_other_architectures_tile_tables(arch, causal, head_dim):
     """The tiles chosen for A100 (sm_80) and 99 KB GPUs (sm_86/89) run correctly here too."""
     import cupy as cp
 
-    from cuflash2 import launch
-    from cuflash2.config import forward_config
-    from cuflash2.interop import describe
-    from cuflash2.validate import validate_qkv
+    from cuflash2.families.mma_sync import launches as launch
+    from cuflash2.runtime import launcher
+    from cuflash2.families.mma_sync import forward_config
+    from cuflash2.frameworks.arrays import describe
+    from cuflash2.problem.tensors import validate_qkv
     from attention_ref import attention_ref
 
     q, k, v = make_inputs(cp, 2, 150, 173, 4, 2, head_dim, "bf16", arch + head_dim)
@@ -197,9 +199,10 @@ def test_causal_grouped_grid_orders_match_reference(monkeypatch, head_dim, slots
     MHA (the fused backward) and MQA (the forward's grouped grid with shared K/V heads)."""
     import cupy as cp
 
-    from cuflash2 import launch
+    from cuflash2.families.mma_sync import launches as launch
+    from cuflash2.runtime import launcher
 
-    monkeypatch.setattr(launch, "_slots", lambda config, device_id: slots)
+    monkeypatch.setattr(launcher, "resident_slots", lambda config, device_id: slots)
     seed = stable_seed("grouped", head_dim, slots, heads_kv)
     q, k, v = make_inputs(cp, 3, 300, 300, 5, heads_kv, head_dim, "bf16", seed)
     (dout,) = make_inputs(cp, 3, 300, 1, 5, 5, head_dim, "bf16", seed + 1)[:1]

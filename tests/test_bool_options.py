@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cuflash2
-from cuflash2.validate import check_bool
+from cuflash2.problem.tensors import check_bool
 
 
 def _qkv(seqlen=16, heads=2, dim=32):

@@ -1,11 +1,13 @@
-"""Call plans on the GPU: a repeated call takes its recorded plan and computes exactly what the full
+"""Replays on the GPU: a repeated call takes its recorded launches and computes exactly what the full
 path computes; calls the key cannot vouch for go back to the full path."""
 
 import numpy as np
 import pytest
 
 import cuflash2
-from cuflash2 import api, call_plans
+from cuflash2.core import replay
+from cuflash2.frameworks import adapter_for
+from cuflash2.problem.options import AttentionOptions
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -29,11 +31,11 @@ def _inputs(dims, seed):
 
 
 def _full_path(fn):
-    call_plans.FAST_CALLS = False
+    replay.FAST_CALLS = False
     try:
         return fn()
     finally:
-        call_plans.FAST_CALLS = True
+        replay.FAST_CALLS = True
 
 
 def _same(got, want):
@@ -48,7 +50,7 @@ def test_repeated_cupy_calls_take_the_plan_and_match_the_full_path(dims, causal,
     q, k, v, dout = _inputs(dims, 0)
     out, lse = cuflash2.flash_attn_forward(q, k, v, **options)  # full path: records the plan
     cuflash2.flash_attn_backward(dout, q, k, v, out, lse, deterministic=True, **options)
-    assert len(call_plans._plans) == 2
+    assert len(replay.CALLS.entries) == 2
     for seed in (1, 2):  # new buffers, same signature
         q, k, v, dout = _inputs(dims, seed)
         out, lse = cuflash2.flash_attn_forward(q, k, v, **options)
@@ -57,7 +59,7 @@ def test_repeated_cupy_calls_take_the_plan_and_match_the_full_path(dims, causal,
         _same((out, lse), want)
         _same(grads, _full_path(lambda: cuflash2.flash_attn_backward(dout, q, k, v, *want, deterministic=True,
                                                                      **options)))
-    assert sorted(plan.calls for plan in call_plans._plans.values()) == [2, 2]
+    assert sorted(plan.calls for plan in replay.CALLS.entries.values()) == [2, 2]
 
 
 def test_a_misaligned_input_goes_back_to_the_full_path():
@@ -66,7 +68,7 @@ def test_a_misaligned_input_goes_back_to_the_full_path():
     q, k, v, _ = _inputs((1, 64, 2, 2, 2, 64), 0)
     cuflash2.flash_attn_forward(q, k, v)
     cuflash2.flash_attn_forward(q, k, v)
-    (plan,) = call_plans._plans.values()
+    (plan,) = replay.CALLS.entries.values()
     shifted = cp.empty(q.size + 8, dtype=q.dtype)[1:q.size + 1].reshape(q.shape)  # same strides, address + 2
     shifted[...] = q
     out, lse = cuflash2.flash_attn_forward(shifted, k, v)
@@ -79,7 +81,7 @@ def test_empty_problems_and_copied_inputs_are_not_planned():
     q, k, v, _ = _inputs((1, 64, 0, 2, 2, 64), 0)
     for _ in range(2):
         out, lse = cuflash2.flash_attn_forward(q, k, v)
-    assert not call_plans._plans
+    assert not replay.CALLS.entries
     assert not out.any() and bool(cp.isinf(lse).all())
     q, k, v, _ = _inputs((1, 64, 64, 2, 2, 64), 0)
     wide = cp.zeros((1, 64, 2, 128), dtype=q.dtype)
@@ -87,7 +89,7 @@ def test_empty_problems_and_copied_inputs_are_not_planned():
     strided = wide[..., ::2]  # last stride 2: the full path copies it
     for _ in range(2):
         out, _ = cuflash2.flash_attn_forward(strided, k, v)
-    assert not call_plans._plans
+    assert not replay.CALLS.entries
     _same((out,), (cuflash2.flash_attn_forward(q, k, v)[0],))
 
 
@@ -97,7 +99,7 @@ def test_torch_training_steps_take_the_plans_on_the_callers_stream():
     grads = {}
     stream = torch.cuda.Stream()
     for fast in (True, False):
-        call_plans.FAST_CALLS = fast
+        replay.FAST_CALLS = fast
         try:
             with torch.cuda.stream(stream):
                 for step in range(3):
@@ -109,8 +111,8 @@ def test_torch_training_steps_take_the_plans_on_the_callers_stream():
                     grads[fast, step] = [x.grad.clone() for x in (out, q, k, v)[1:]] + [out.detach().clone()]
             stream.synchronize()
         finally:
-            call_plans.FAST_CALLS = True
-    assert sorted(plan.calls for plan in call_plans._plans.values()) == [2, 2]
+            replay.FAST_CALLS = True
+    assert sorted(plan.calls for plan in replay.CALLS.entries.values()) == [2, 2]
     for step in range(3):
         for got, want in zip(grads[True, step], grads[False, step], strict=True):
             assert torch.equal(got, want)
@@ -136,20 +138,20 @@ def test_the_default_backward_replays_with_zeroed_accumulators(dims, causal):
             g, w = g.astype(cp.float32), w.astype(cp.float32)
             assert bool(cp.isfinite(g).all())
             assert float(cp.abs(g - w).max()) <= 1e-2 * max(1.0, float(cp.abs(w).max()))
-    assert sorted(plan.calls for plan in call_plans._plans.values()) == [2, 2]
+    assert sorted(plan.calls for plan in replay.CALLS.entries.values()) == [2, 2]
 
 
 def test_forward_into_plans_only_contiguous_outputs_and_shares_them():
     q, k, v, _ = _inputs((2, 128, 128, 4, 4, 64), 0)
     wide = cp.empty((2, 128, 8, 64), dtype=q.dtype)
     lse = cp.empty((2, 4, 128), dtype=cp.float32)
-    api.forward_into(q, k, v, wide[:, :, :4], lse)  # out with a wider row: not planned
-    assert not call_plans._plans
+    adapter_for(q).forward_into(q, k, v, wide[:, :, :4], lse, None, AttentionOptions())  # out with a wider row: not planned
+    assert not replay.CALLS.entries
     out = cp.empty_like(q)
-    api.forward_into(q, k, v, out, lse)
-    assert len(call_plans._plans) == 1  # the same key as flash_attn_forward's: it takes this plan
+    adapter_for(q).forward_into(q, k, v, out, lse, None, AttentionOptions())
+    assert len(replay.CALLS.entries) == 1  # the same key as flash_attn_forward's: it takes this plan
     got = cuflash2.flash_attn_forward(q, k, v)
-    (plan,) = call_plans._plans.values()
+    (plan,) = replay.CALLS.entries.values()
     assert plan.calls == 1
     _same(got, (out, lse))
     _same((cp.ascontiguousarray(wide[:, :, :4]),), (out,))

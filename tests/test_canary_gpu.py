@@ -25,7 +25,7 @@ from reliability_helpers import (
     same_bits,
 )
 
-from cuflash2.config import head_dim_bucket
+from cuflash2.families.mma_sync import head_dim_bucket
 
 pytestmark = pytest.mark.gpu
 

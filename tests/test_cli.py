@@ -499,7 +499,7 @@ def test_bench_rounds_time_cudnn_last_so_no_one_follows_it_twice():
 def test_compile_command_covers_every_forward_instantiation(arch):
     """`cuflash2 compile` fills the cache with every forward kernel the library can launch, the
     short-sequence tiles included (config.forward_config's seqlen)."""
-    from cuflash2 import config
+    from cuflash2.families import mma_sync as config
     from cuflash2.cli import main
 
     listed = set(main._configs(arch, list(config.HEAD_DIM_BUCKETS), list(config.DTYPES)))
@@ -514,7 +514,7 @@ _NARROW_SAMPLE_DIMS = (59, 90, 100, 111, 191, 255)
 def test_compile_command_lists_the_narrow_kernels_of_its_head_dims(arch):
     """`cuflash2 compile --head-dims 59,...` lists the kernels a contiguous call at those head dims
     launches (their vector width), and they hold the narrow samples the compile test covers."""
-    from cuflash2 import config
+    from cuflash2.families import mma_sync as config
     from cuflash2.cli import main
 
     assert {(config.head_dim_bucket(d), config.vector_width(d)) for d in _NARROW_SAMPLE_DIMS} == \

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 import cuflash2
-from cuflash2 import compiler
-from cuflash2 import config as cfg
+from cuflash2.runtime import compiler
+from cuflash2.families import mma_sync as cfg
 from cuflash2.cli import errors, gpu, main as main_module, progress
 from cuflash2.cli.main import main
 
@@ -118,7 +118,7 @@ def test_cuda_no_device_error_mid_command(monkeypatch):
 
 
 def test_api_missing_cupy_error_in_a_command(monkeypatch):
-    from cuflash2 import interop
+    from cuflash2.runtime import device as interop
     from cuflash2.cli import check_cmd
 
     monkeypatch.setattr(check_cmd, "_plan", _raise(RuntimeError(interop.CUPY_MISSING)))
@@ -135,7 +135,7 @@ def test_other_errors_still_raise(monkeypatch):
 
 
 def test_hints_are_runnable_commands():
-    for message in (errors.cupy_missing(), errors.nvrtc_missing(), cuflash2.interop.CUPY_MISSING):
+    for message in (errors.cupy_missing(), errors.nvrtc_missing(), cuflash2.runtime.device.CUPY_MISSING):
         assert re.search(r"pip install '\.\[cuda1[23]\]'", message) and "checkout" in message, message
         assert "cuflash2[cuda" not in message  # not on a package index yet
 
@@ -237,7 +237,7 @@ def test_info_json_is_machine_readable(monkeypatch, tmp_path, with_gpu):
     facts = json.loads(result.output)
     for where, key in _keys(facts):
         assert re.fullmatch(r"[a-z][a-z0-9_]*", key) or where.startswith(".interop."), where
-    assert set(facts) == {"cuflash2", "kernel_cache", "gpu", "versions", "interop", "peak"}
+    assert set(facts) == {"cuflash2", "kernel_cache", "gpu", "versions", "interop", "peak", "families"}
     assert facts["cuflash2"]["version"] == cuflash2.__version__
     assert isinstance(facts["cuflash2"]["backward_available"], bool)
     assert facts["kernel_cache"] == {"path": str(tmp_path), "exists": True, "files": 1, "size_bytes": 3000}

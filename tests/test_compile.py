@@ -11,8 +11,9 @@ import shutil
 
 import pytest
 
-from cuflash2 import compiler, config as cfg
-from cuflash2.config import all_forward_configs
+from cuflash2.families import mma_sync as cfg
+from cuflash2.runtime import compiler
+from cuflash2.families.mma_sync import all_forward_configs
 
 COMPILE_ARCHS = (80, 90, 86)
 

@@ -86,7 +86,7 @@ def test_threads_on_own_streams_match_single_threaded_results():
 
 
 # Decoding steps from two threads at once, each on its own stream: the fast path of a known call
-# signature (kvcache_step) shares its steps between threads and packs arguments per thread. Each
+# signature (the KV-cache replay) shares its recordings between threads and packs arguments per thread. Each
 # thread's 20 steps (split-KV in one, unsplit in the other) must equal its single-threaded outputs.
 DECODE_CONFIGS = [(1, 3000, 0), (4, 700, 1)]  # (batch, cache length, num_splits) per thread
 
@@ -316,8 +316,10 @@ def test_get_kernel_from_many_threads_returns_one_kernel():
     same object (the entry is removed first and repopulated by the race)."""
     import cupy as cp
 
-    from cuflash2 import compiler, launch
-    from cuflash2.config import forward_config
+    from cuflash2.runtime import compiler
+    from cuflash2.families.mma_sync import launches as launch
+    from cuflash2.runtime import launcher
+    from cuflash2.families.mma_sync import forward_config
 
     device = cp.cuda.Device().id
     config = forward_config(96, "fp16", True, launch.device_arch(device))

@@ -6,8 +6,10 @@ import re
 
 import pytest
 
-from cuflash2 import bench, config
-from cuflash2.config import backward_plan, KernelConfig, all_forward_configs, forward_config, head_dim_bucket, smem_limit
+from cuflash2 import bench
+from cuflash2.families import mma_sync as config
+from cuflash2.families.mma_sync import backward_plan, KernelConfig, all_forward_configs, forward_config, head_dim_bucket, smem_limit
+from cuflash2.families.mma_sync import backward_plans, forward_tiles
 
 ARCHS = (80, 86, 89, 90)
 FWD_KERNEL = "flash_fwd_kernel"
@@ -128,13 +130,14 @@ def test_non_causal_head_dim_256_tile_on_sm90_only():
 
 def test_forward_launch_picks_the_tile_by_the_longer_sequence(monkeypatch):
     """A short query against long keys (chunked prefill) has long blocks: it keeps the long tile."""
-    from cuflash2 import launch
-    from cuflash2.validate import AttentionShape, contiguous_info
+    from cuflash2.families.mma_sync import launches as launch
+    from cuflash2.runtime import launcher
+    from cuflash2.problem.tensors import AttentionShape, contiguous_info
 
     monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
-    monkeypatch.setattr(launch, "_slots", lambda config, device_id: 264)
+    monkeypatch.setattr(launcher, "resident_slots", lambda config, device_id: 264)
     sent = []
-    monkeypatch.setattr(launch, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append(config))
+    monkeypatch.setattr(launcher, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append(config))
     for seqlen_q, seqlen_k in ((1024, 1024), (1024, 16384)):
         q = contiguous_info((1, seqlen_q, 8, 256), "bfloat16", 2)
         kv = contiguous_info((1, seqlen_k, 8, 256), "bfloat16", 2)
@@ -159,10 +162,10 @@ def test_variant_configs_mirror_the_plain_ones():
         for c in plain:
             twin = forward_config(c.head_dim, c.dtype, c.causal, arch, variant=True)
             assert twin.variant and (twin.head_dim, twin.dtype, twin.causal) == (c.head_dim, c.dtype, c.causal)
-            own_tiles = config._FWD_VARIANT_TILES_SMALL_SMEM if arch == 86 else config._FWD_VARIANT_TILES_LARGE_SMEM
-            if arch == 90 and c.head_dim in config._FWD_TILES_SM90:  # measured for plain attention only
+            own_tiles = forward_tiles._FWD_VARIANT_TILES_SMALL_SMEM if arch == 86 else forward_tiles._FWD_VARIANT_TILES_LARGE_SMEM
+            if arch == 90 and c.head_dim in forward_tiles._FWD_TILES_SM90:  # measured for plain attention only
                 assert (twin.block_m, twin.block_n, twin.warps, twin.stages) == \
-                    config._FWD_TILES_LARGE_SMEM[c.head_dim], c.short_id()
+                    forward_tiles._FWD_TILES_LARGE_SMEM[c.head_dim], c.short_id()
             elif c.head_dim not in own_tiles:  # the others have their own variant tiles (config.py)
                 assert dataclasses.replace(twin, variant=False) == c
         plan = backward_plan(128, "bf16", True, arch, variant=True)
@@ -341,7 +344,7 @@ def test_atomic_dq_plan_on_sm90(head_dim, gqa, causal):
     with_dq = [c for c in plan.main if c.flags[2]]
     assert len(with_dq) == 1
     c = with_dq[0]
-    assert config._dq_split_ok(c.block_m, c.warps, c.head_dim), c.short_id()
+    assert backward_plans._dq_split_ok(c.block_m, c.warps, c.head_dim), c.short_id()
     assert c.block_n == 16 * c.warps
     assert set(plan.kernels()) <= set(config.all_backward_configs(90))
     with pytest.raises(ValueError, match="cannot be deterministic"):
@@ -350,10 +353,10 @@ def test_atomic_dq_plan_on_sm90(head_dim, gqa, causal):
 
 def test_dq_split_rule():
     """dQ = dS K over the warps: 16-row tiles times column groups of a multiple of 16 columns."""
-    assert config._dq_split_ok(32, 8, 128)  # 2 row tiles x 4 groups of 32 columns
-    assert not config._dq_split_ok(32, 8, 96)  # groups of 24 columns
-    assert config._dq_split_ok(64, 8, 96)  # 4 row tiles x 2 groups of 48
-    assert not config._dq_split_ok(64, 2, 64)  # 4 row tiles over 2 warps
+    assert backward_plans._dq_split_ok(32, 8, 128)  # 2 row tiles x 4 groups of 32 columns
+    assert not backward_plans._dq_split_ok(32, 8, 96)  # groups of 24 columns
+    assert backward_plans._dq_split_ok(64, 8, 96)  # 4 row tiles x 2 groups of 48
+    assert not backward_plans._dq_split_ok(64, 2, 64)  # 4 row tiles over 2 warps
 
 
 def test_backward_smem_includes_dq_staging():

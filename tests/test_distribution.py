@@ -15,7 +15,7 @@ import zipfile
 import pytest
 
 import cuflash2
-from cuflash2 import compiler
+from cuflash2.runtime import compiler
 
 CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")
@@ -155,6 +155,9 @@ def test_wheel_contents_and_metadata():
     sources = {f"cuflash2/kernels_cu/{p.relative_to(kernels).as_posix()}" for p in kernels.rglob("*")
                if p.suffix in (".cu", ".cuh")}
     assert sources and sources <= names, sorted(sources - names)
+    for source in (CHECKOUT / "cuflash2").rglob("*.py"):  # every module, subpackages included
+        path = "cuflash2/" + source.relative_to(CHECKOUT / "cuflash2").as_posix()
+        assert path in names, f"{path} is missing from the wheel (pyproject.toml's packages)"
     top = {n.split("/")[0] for n in names}
     assert top == {"cuflash2", dist_info}, top  # no generic top-level cli/, kernels_cu/ or tests/
 

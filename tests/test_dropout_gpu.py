@@ -12,7 +12,7 @@ from test_forward_gpu import make_inputs
 
 import cuflash2
 from cuflash2 import dropout
-from cuflash2.interop import as_float32
+from cuflash2.materialize import as_float32
 
 pytestmark = pytest.mark.gpu
 
@@ -50,11 +50,12 @@ def test_mask_is_the_same_whatever_the_tile_shape():
     same dropped entries (checked through the output, bit-compared over a one-hot V)."""
     import cupy as cp
 
-    from cuflash2 import launch
-    from cuflash2.config import FWD, KernelConfig
-    from cuflash2.features import Features
-    from cuflash2.interop import describe
-    from cuflash2.validate import validate_qkv
+    from cuflash2.families.mma_sync import launches as launch
+    from cuflash2.runtime import launcher
+    from cuflash2.families.mma_sync import FWD, KernelConfig
+    from cuflash2.problem.features import Features
+    from cuflash2.frameworks.arrays import describe
+    from cuflash2.problem.tensors import validate_qkv
 
     q, k, _ = make_inputs(cp, 1, 64, 96, 2, 2, 64, "fp16", 3)
     v = cp.zeros((1, 96, 2, 64), dtype=cp.float16)

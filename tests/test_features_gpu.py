@@ -8,7 +8,7 @@ import pytest
 from attention_ref import attention_features_ref, check_fa2_rule, stable_seed
 from test_forward_gpu import make_inputs
 
-from cuflash2.interop import as_float32
+from cuflash2.materialize import as_float32
 
 pytestmark = pytest.mark.gpu
 

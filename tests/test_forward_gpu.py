@@ -7,7 +7,7 @@ import pytest
 
 from attention_ref import attention_ref, stable_seed
 
-from cuflash2.interop import as_float32
+from cuflash2.materialize import as_float32
 
 pytestmark = pytest.mark.gpu
 

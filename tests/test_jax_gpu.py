@@ -193,7 +193,7 @@ def test_dropout_matches_cupy_path_and_masked_reference(causal):
 
     import cuflash2
     from cuflash2 import dropout
-    from cuflash2.interop import as_float32
+    from cuflash2.materialize import as_float32
 
     p, seed = 0.17, 1234
     kq, kk, kv, kg = jax.random.split(jax.random.PRNGKey(5), 4)

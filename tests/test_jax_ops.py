@@ -9,7 +9,7 @@ import cuflash2
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
-jax_ops = pytest.importorskip("cuflash2.jax_ops")
+jax_ops = pytest.importorskip("cuflash2.frameworks.jax_adapter")
 
 
 def _callbacks(fn, *args):

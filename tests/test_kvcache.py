@@ -7,7 +7,7 @@ import pytest
 
 import cuflash2
 from cuflash2 import reference
-from cuflash2.kvcache import num_splits_heuristic
+from cuflash2.families.mma_sync.kvcache_launches import num_splits_heuristic
 
 
 def _rng(seed):
@@ -234,8 +234,8 @@ def test_split_kv_fills_one_decoding_block_per_sm():
     """The decoding kernel aims split-KV at one block per SM (its 4 warps already read at full
     bandwidth), the row-split tiles at two; with 132 SMs, batch 16 x 8 kv heads is not split for the
     decoding kernel, and one sequence gets 16 splits."""
-    from cuflash2 import config
-    from cuflash2.kvcache import split_slots_per_sm
+    from cuflash2.families import mma_sync as config
+    from cuflash2.families.mma_sync.kvcache_launches import split_slots_per_sm
 
     decode = config.kvcache_config(128, "bf16", False, 90, query_rows=4)
     rows64 = config.kvcache_config(128, "bf16", False, 90, query_rows=64)

@@ -8,7 +8,7 @@ import pytest
 from attention_ref import stable_seed
 
 import cuflash2
-from cuflash2.interop import as_float32
+from cuflash2.materialize import as_float32
 
 pytestmark = pytest.mark.gpu
 
@@ -160,7 +160,7 @@ def test_decode_loop_reuses_its_plan(seqlens_kind):
     address or length from an earlier step)."""
     import cupy as cp
 
-    from cuflash2 import kvcache
+    from cuflash2.core import replay
 
     rng = np.random.default_rng(5)
     batch, h, hk, d, cache_len = 2, 8, 2, 128, 40
@@ -168,7 +168,7 @@ def test_decode_loop_reuses_its_plan(seqlens_kind):
     k_cache = rng.standard_normal((batch, cache_len, hk, d)).astype(f)
     v_cache = rng.standard_normal((batch, cache_len, hk, d)).astype(f)
     k_gpu, v_gpu = cp.asarray(k_cache), cp.asarray(v_cache)
-    plans_before = len(kvcache._plans)
+    plans_before = len(replay.RECORDINGS.entries)
     for step in range(4):
         q = rng.standard_normal((batch, 1, h, d)).astype(f)
         kwargs = {"return_softmax_lse": True}
@@ -183,7 +183,7 @@ def test_decode_loop_reuses_its_plan(seqlens_kind):
         np.testing.assert_array_equal(cp.asnumpy(k_gpu).view(np.uint16), k_cache.view(np.uint16))
         assert np.abs(cp.asnumpy(as_float32(cp, out)) - as_float32(np, ref_out)).max() < 2e-2
         assert np.abs(cp.asnumpy(lse) - ref_lse).max() < 1e-2
-    assert len(kvcache._plans) - plans_before <= 1  # one signature, one plan
+    assert len(replay.RECORDINGS.entries) - plans_before <= 1  # one signature, one plan
 
 
 FAST_CASES = {
@@ -250,15 +250,16 @@ def _fast_case_inputs(fw, rng, case):
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 @pytest.mark.parametrize("case", list(FAST_CASES))
 def test_decode_steps_take_the_fast_path(case, framework):
-    """A decoding loop after its first step runs through kvcache_step (no validation or planning):
+    """A decoding loop after its first step replays its recorded launches (no validation or planning):
     outputs, LSEs and cache contents bit-identical to the full path on copies of the same cache."""
-    from cuflash2 import kvcache, kvcache_step
+    from cuflash2 import kvcache
+    from cuflash2.core import replay
 
     fw = _Framework(framework)
     rng = np.random.default_rng(stable_seed(case, framework))
     k_cache, v_cache, step_kwargs = _fast_case_inputs(fw, rng, case)
     k_full, v_full = fw.copy(k_cache), fw.copy(v_cache)
-    kvcache.clear_plans()
+    replay.clear()
     steps = 5
     try:
         for step in range(steps):
@@ -277,7 +278,7 @@ def test_decode_steps_take_the_fast_path(case, framework):
             np.testing.assert_array_equal(fw.to_host(v_cache), fw.to_host(v_full))
     finally:
         kvcache.FAST_STEPS = True
-    (step_obj,) = kvcache_step._steps.values()
+    (step_obj,) = replay.KVCACHE_STEPS.entries.values()
     assert step_obj.calls == steps - 1  # every step after the first
 
 
@@ -287,23 +288,24 @@ def test_fast_path_leaves_bad_calls_to_the_full_path():
     takes the fast path."""
     import cupy as cp
 
-    from cuflash2 import kvcache, kvcache_step
+    from cuflash2 import kvcache
+    from cuflash2.core import replay
 
-    kvcache.clear_plans()
+    replay.clear()
     rng = np.random.default_rng(5)
     q = cp.asarray(rng.standard_normal((1, 1, 4, 64)).astype(np.float16))
     k_cache = cp.asarray(rng.standard_normal((1, 64, 2, 64)).astype(np.float16))
     seqlens = cp.full((1,), 10, dtype=cp.int32)
     expected = cuflash2.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=seqlens)
-    assert len(kvcache_step._steps) == 1
+    assert len(replay.KVCACHE_STEPS.entries) == 1
     buffer = cp.zeros(4 * 64 + 4, dtype=cp.float16)
     shifted = buffer[4:].reshape(1, 1, 4, 64)  # same shape and strides, 8-byte aligned
     shifted[...] = q
     out = cuflash2.flash_attn_with_kvcache(shifted, k_cache, k_cache, cache_seqlens=seqlens)
     assert cp.array_equal(out, expected)
-    kvcache.clear_plans()
+    replay.clear()
     cuflash2.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=10)
-    assert not kvcache_step._steps
+    assert not replay.KVCACHE_STEPS.entries
 
 
 @pytest.mark.parametrize("group,head_dim,splits", [(16, 120, 40), (8, 40, 128), (16, 248, 20), (1, 64, 9),
@@ -335,7 +337,8 @@ def test_fast_path_refuses_converted_inputs():
     last dim) never get a fast-path step, and still compute the same as a contiguous call."""
     import cupy as cp
 
-    from cuflash2 import kvcache, kvcache_step
+    from cuflash2 import kvcache
+    from cuflash2.core import replay
 
     rng = np.random.default_rng(11)
     f = NP["bf16"]
@@ -344,14 +347,14 @@ def test_fast_path_refuses_converted_inputs():
     theta = rng.uniform(0, 6.28, (80, 16))
     cos16, sin16 = cp.asarray(np.cos(theta).astype(np.float16)), cp.asarray(np.sin(theta).astype(np.float16))
     q = cp.asarray(rng.standard_normal((1, 1, 4, 64)).astype(f))
-    kvcache.clear_plans()
+    replay.clear()
     for _ in range(2):
         cuflash2.flash_attn_with_kvcache(q, k_cache, k_cache, rotary_cos=cos16, rotary_sin=sin16, cache_seqlens=seqlens)
-    assert not kvcache_step._steps
+    assert not replay.KVCACHE_STEPS.entries
     wide = cp.asarray(rng.standard_normal((1, 1, 4, 128)).astype(f))
     strided = wide[..., ::2]  # last stride 2: the full path copies it
     results = [cuflash2.flash_attn_with_kvcache(strided, k_cache, k_cache, cache_seqlens=seqlens) for _ in range(2)]
-    assert not kvcache_step._steps
+    assert not replay.KVCACHE_STEPS.entries
     contiguous = cuflash2.flash_attn_with_kvcache(cp.ascontiguousarray(strided), k_cache, k_cache,
                                                   cache_seqlens=seqlens)
     for r in results:
@@ -398,7 +401,7 @@ def test_fast_path_split_kv_at_head_dims_not_multiple_of_8(head_dim):
 
     from cuflash2 import kvcache
 
-    kvcache.clear_plans()
+    replay.clear()
     rng = np.random.default_rng(head_dim)
     q = rng.standard_normal((1, 1, 8, head_dim)).astype(np.float16)
     k_cache = rng.standard_normal((1, 512, 2, head_dim)).astype(np.float16)

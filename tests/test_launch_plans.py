@@ -5,8 +5,15 @@ import struct
 import numpy as np
 import pytest
 
-from cuflash2 import config, kvcache, launch, packed_launch
-from cuflash2.validate import TensorInfo
+import types
+
+from cuflash2.core import kvcache, replay
+from cuflash2.families import mma_sync as config
+from cuflash2.families.mma_sync import kvcache_launches
+from cuflash2.families.mma_sync import launches as launch
+from cuflash2.problem.tensors import TensorInfo
+from cuflash2.runtime import device, launcher
+from cuflash2.runtime import launcher as packed_launch
 
 
 def test_each_argument_gets_a_little_endian_8_byte_slot():
@@ -40,54 +47,59 @@ def _decode_infos(paged=False, rotary=False, append=True):
             "rotary_sin": _info((4096, 64), "float32", 4) if rotary else None}
 
 
+_FAKE_KERNEL = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xABC))
+
+
 @pytest.fixture
 def h200(monkeypatch):
-    monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
-    monkeypatch.setattr(kvcache, "_sm_count", lambda device_id: 132)
+    for module in (kvcache, kvcache_launches):
+        monkeypatch.setattr(module, "device_arch", lambda device_id: 90)
+    monkeypatch.setattr(kvcache_launches, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(replay, "get_kernel", lambda config, device_id: _FAKE_KERNEL)
+
+
+def _decode_recording(infos, causal, interleaved, num_splits):
+    """(launches, name of each buffer) of a KV-cache call signature's recording (lse returned)."""
+    _, recording = kvcache.recording_for(0, infos, None, causal, (-1, -1), 0.0, interleaved, num_splits, True)
+    names = list(kvcache.INPUT_BUFFERS) + ["out", "lse"]
+    return recording, names
 
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("rotary", [False, True])
 def test_decode_plan_launches_and_pointer_slots(h200, paged, rotary):
     infos = _decode_infos(paged, rotary)
-    plan = kvcache._make_plan(0, infos, None, False, (-1, -1), 0.0, True, 0)
-    kernels = [step.config.kernel for step in plan.launches]
+    recording, names = _decode_recording(infos, False, True, 0)
+    names += (["q_rot"] if rotary else []) + ["o_partial", "lse_partial"]  # scratch regions, in request order
+    kernels = [step.config.kernel for step in recording.launches]
     # append k, append v, (rotate q,) attention, and the split-KV combine (4 sequences x 8 kv heads
     # do not fill 264 block slots, so the keys are split)
     assert len(kernels) == (5 if rotary else 4) and kernels[0] == kernels[1]
-    assert plan.partial_rows > 0 and plan.rotate_q == rotary
-    attention = plan.launches[-2]
+    assert len(recording.regions) == (3 if rotary else 2)
+    attention = recording.launches[-2]
     expected = {"k_cache", "v_cache", "out", "lse", "cache_seqlens", "o_partial", "lse_partial",
                 "q_rot" if rotary else "q"} | ({"block_table"} if paged else set())
-    assert {name for _, name in attention.pointer_slots} == expected
-    for step in plan.launches:  # no symbolic address is left outside the slots
-        slot_indices = {i for i, _ in step.pointer_slots}
-        for i, arg in enumerate(step.args):
-            if type(arg) is np.uint64 and i not in slot_indices:
-                assert int(arg) == 0
+    assert {names[source] for _, source in attention.slots} == expected
+    for step in recording.launches:  # no stand-in address is left outside the slots
+        slot_indices = {i for i, _ in step.slots}
+        for i, (kind, arg) in enumerate(zip(step.types, step.template)):
+            if kind is np.uint64 and i not in slot_indices:
+                assert arg == 0
 
 
-def test_decode_plan_fills_in_each_calls_addresses(h200):
-    plan = kvcache._make_plan(0, _decode_infos(append=False), None, False, (-1, -1), 0.0, True, 1)
-    (attention,) = plan.launches  # num_splits=1: no combine
+def test_decode_plan_fills_in_each_calls_addresses(h200, monkeypatch):
+    recording, names = _decode_recording(_decode_infos(append=False), False, True, 1)
+    (attention,) = recording.launches  # num_splits=1: no combine
     sent = []
-    launch_args = {}
-
-    def fake_launch(config, device_id, stream, grid, args):
-        sent.append((config, grid))
-        launch_args.update(enumerate(args))
-
-    pointers = {name: 0x1000 * (i + 1) for i, name in enumerate(kvcache._BUFFERS)}
-    original = launch.launch_kernel
-    launch.launch_kernel = fake_launch
-    try:
-        attention.run(type("Call", (), {"device_id": 0, "stream": None})(), pointers)
-    finally:
-        launch.launch_kernel = original
-    for index, name in attention.pointer_slots:
-        assert launch_args[index] == pointers[name]
-    assert launch_args[0] == pointers["q"] and launch_args[3] == pointers["out"]
-    assert sent[0][1][1:] == (8, 4)  # GQA decoding: one row block per kv head (query heads as rows)
+    monkeypatch.setattr(launcher, "launch_packed", lambda function, grid, threads, smem, stream, packer, args:
+                        sent.append((grid, args)))
+    pointers = [0x1000 * (i + 1) for i in range(len(names))]
+    recording.run(pointers, 0)
+    (grid, args), = sent
+    for index, source in attention.slots:
+        assert args[index] == pointers[source]
+    assert args[0] == pointers[names.index("q")] and args[3] == pointers[names.index("out")]
+    assert grid[1:] == (8, 4)  # GQA decoding: one row block per kv head (query heads as rows)
 
 
 @pytest.mark.parametrize("head_dim", [32, 40, 64, 96, 120, 128, 256])
@@ -165,13 +177,13 @@ def test_only_the_atomic_dq_main_kernel_swizzles_the_dq_accumulator():
 def test_forward_launch_arguments_pack(monkeypatch, causal, variant):
     """Every argument launch.forward passes has a packable numpy type (a Python int or float would
     be refused by the packed launch at run time, on the GPU only)."""
-    from cuflash2.features import Features
-    from cuflash2.validate import AttentionShape
+    from cuflash2.problem.features import Features
+    from cuflash2.problem.tensors import AttentionShape
 
     monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
-    monkeypatch.setattr(launch, "_slots", lambda config, device_id: 264)
+    monkeypatch.setattr(launcher, "resident_slots", lambda config, device_id: 264)
     sent = []
-    monkeypatch.setattr(launch, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append((config, args)))
+    monkeypatch.setattr(launcher, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append((config, args)))
     q = _info((2, 100, 8, 64))
     kv = _info((2, 120, 2, 64))
     lse = _info((2, 8, 100), "float32", 4)
@@ -184,9 +196,10 @@ def test_forward_launch_arguments_pack(monkeypatch, causal, variant):
 
 
 def test_decode_plan_arguments_pack(h200):
-    plan = kvcache._make_plan(0, _decode_infos(paged=True, rotary=True), None, True, (-1, -1), 0.0, False, 0)
-    for step in plan.launches:
-        assert len(packed_launch.pack_slots(step.args)) == packed_launch.SLOT_BYTES * len(step.args)
+    recording, _ = _decode_recording(_decode_infos(paged=True, rotary=True), True, False, 0)
+    for step in recording.launches:
+        args = tuple(kind(a) for kind, a in zip(step.types, step.template))
+        assert len(packed_launch.pack_slots(args)) == packed_launch.SLOT_BYTES * len(args)
 
 
 def _grid_order(grid, nheads, grouped):
@@ -234,14 +247,14 @@ def test_grouped_grid_covers_every_block_once_longest_first_per_chunk(nheads, ba
 
 def _capture_backward(monkeypatch, seqlen_k, causal, fused=None):
     """(config, grid, args) of every launch of one launch.backward call, without a GPU."""
-    from cuflash2.validate import AttentionShape, contiguous_info
+    from cuflash2.problem.tensors import AttentionShape, contiguous_info
 
     monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
-    monkeypatch.setattr(launch, "_slots", lambda config, device_id: 264)
-    monkeypatch.setattr(launch, "_scratch", lambda cp, shape, dtype=np.float32, zero=False:
+    monkeypatch.setattr(launcher, "resident_slots", lambda config, device_id: 264)
+    monkeypatch.setattr(launcher, "scratch", lambda shape, dtype=np.float32, zero=False:
                         (None, contiguous_info(shape, np.dtype(dtype).name, np.dtype(dtype).itemsize)))
     sent = []
-    monkeypatch.setattr(launch, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append((config, grid, args)))
+    monkeypatch.setattr(launcher, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append((config, grid, args)))
     q, kv = _info((2, 64, 8, 128)), _info((2, seqlen_k, 8, 128))
     lse = _info((2, 8, 64), "float32", 4)
     shape = AttentionShape(2, 64, seqlen_k, 8, 8, 128, "bfloat16", 0.125)
@@ -282,13 +295,13 @@ def test_causal_forward_launches_the_grouped_grid(monkeypatch, causal, variant):
     """Causal forward grids take the grouped order (the last query blocks, the longest, of a chunk
     of groups start first); non-causal ones keep (query blocks, heads, batch). Past grid y's limit
     the causal forward refuses the call before any launch."""
-    from cuflash2.features import Features
-    from cuflash2.validate import AttentionShape
+    from cuflash2.problem.features import Features
+    from cuflash2.problem.tensors import AttentionShape
 
     monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
-    monkeypatch.setattr(launch, "_slots", lambda config, device_id: 4)
+    monkeypatch.setattr(launcher, "resident_slots", lambda config, device_id: 4)
     sent = []
-    monkeypatch.setattr(launch, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append((config, grid, args)))
+    monkeypatch.setattr(launcher, "launch_kernel", lambda config, device_id, stream, grid, args: sent.append((config, grid, args)))
     features = Features(softcap=5.0) if variant else Features()
     q, kv, lse = _info((2, 300, 8, 64)), _info((2, 300, 2, 64)), _info((2, 8, 300), "float32", 4)
     launch.forward(q, kv, kv, q, lse, AttentionShape(2, 300, 300, 8, 2, 64, "bfloat16", 0.125), causal, 0, None,

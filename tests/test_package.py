@@ -2,13 +2,14 @@
 
 import importlib.metadata
 import importlib.util
+import pathlib
 import re
 
 import pytest
 from click.testing import CliRunner
 
 import cuflash2
-from cuflash2 import compiler
+from cuflash2.runtime import compiler
 from cuflash2.cli.main import main
 
 
@@ -49,8 +50,20 @@ def test_version():
 
 
 def test_submodules_import_without_gpu():
-    for module in ("api", "bench", "compiler", "config", "interop", "reference", "validate", "cli", "cli.main"):
-        importlib.import_module(f"cuflash2.{module}")
+    """Every module but the torch and JAX adapters (imported only with such arrays) imports without
+    a GPU, CuPy, torch or JAX, and from this package (not another copy)."""
+    import pkgutil
+
+    folder = pathlib.Path(cuflash2.__file__).parent
+    names = [info.name for info in pkgutil.walk_packages([str(folder)], "cuflash2.")
+             if info.name not in ("cuflash2.__main__", "cuflash2.frameworks.torch_adapter",
+                                  "cuflash2.frameworks.jax_adapter")]
+    assert {"cuflash2.api", "cuflash2.core.replay", "cuflash2.families.mma_sync.launches",
+            "cuflash2.runtime.compiler"} <= set(names)
+    for module in names + ["cuflash2.cli", "cuflash2.cli.main"]:
+        imported = importlib.import_module(module)
+        if not module.startswith("cuflash2.cli"):
+            assert folder in pathlib.Path(imported.__file__).parents, (module, imported.__file__)
 
 
 def test_no_generic_top_level_cli_module():

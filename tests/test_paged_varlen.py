@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 import cuflash2
-from cuflash2 import config as cfg
-from cuflash2.validate import contiguous_info
-from cuflash2.varlen import gather_pages, validate_paged_varlen
+from cuflash2.problem.options import AttentionOptions
+from cuflash2.families import mma_sync as cfg
+from cuflash2.problem.tensors import contiguous_info
+from cuflash2.problem.varlen import validate_paged_varlen
+from cuflash2.varlen import gather_pages
 
 
 def _cu(lengths):
@@ -182,7 +184,7 @@ def test_paged_varlen_kernels_are_listed_for_compilation(arch):
 
 def test_torch_refuses_inputs_that_require_grad(monkeypatch):
     torch = pytest.importorskip("torch")
-    from cuflash2 import torch_ops
+    from cuflash2.frameworks import torch_adapter as torch_ops
 
     calls = []
     monkeypatch.setattr(torch_ops, "_varlen_paged_fwd_impl",
@@ -203,7 +205,7 @@ def test_torch_refuses_inputs_that_require_grad(monkeypatch):
 
 def test_torch_compiling_takes_the_forward_only_custom_op(monkeypatch):
     torch = pytest.importorskip("torch")
-    from cuflash2 import torch_ops
+    from cuflash2.frameworks import torch_adapter as torch_ops
 
     seen = []
     monkeypatch.setattr(torch_ops, "_compiling", lambda: True)
@@ -217,20 +219,20 @@ def test_torch_compiling_takes_the_forward_only_custom_op(monkeypatch):
 
 def test_torch_meta_tensors_take_the_fake_implementation():
     torch = pytest.importorskip("torch")
-    from cuflash2 import torch_ops
+    from cuflash2.frameworks import torch_adapter as torch_ops
 
     meta = dict(device="meta")
     q = torch.empty(9, 4, 64, dtype=torch.bfloat16, **meta)
     k = torch.empty(5, 16, 2, 64, dtype=torch.bfloat16, **meta)
     cu = torch.empty(3, dtype=torch.int32, **meta)
-    out, lse = torch_ops.varlen_paged_forward(q, k, k, cu, cu, 4, 30, None, True, (-1, -1), 0.0, None,
+    out, lse = torch_ops.varlen_paged_forward(q, k, k, cu, cu, 4, 30, AttentionOptions(None, True), None,
                                               torch.empty(2, 3, dtype=torch.int32, **meta))
     assert out.is_meta and out.shape == q.shape and lse.shape == (4, 9) and lse.dtype == torch.float32
 
 
 def test_torch_op_is_registered_without_autograd():
     torch = pytest.importorskip("torch")
-    from cuflash2 import torch_ops  # noqa: F401
+    from cuflash2.frameworks import torch_adapter as torch_ops  # noqa: F401
 
     assert hasattr(torch.ops.cuflash2, "flash_attn_varlen_paged_fwd")
 

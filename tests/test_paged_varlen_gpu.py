@@ -8,7 +8,7 @@ import pytest
 from attention_ref import attention_features_ref, check_fa2_rule, stable_seed
 from test_paged_varlen import paged_problem
 
-from cuflash2.interop import as_float32
+from cuflash2.materialize import as_float32
 
 pytestmark = pytest.mark.gpu
 
@@ -218,7 +218,7 @@ def test_torch_compile_fullgraph_paged_varlen():
 
 def test_torch_opcheck_paged_varlen_op():
     torch = pytest.importorskip("torch")
-    from cuflash2 import torch_ops
+    from cuflash2.frameworks import torch_adapter as torch_ops
 
     arrays, _ = _problem(16, 64, "fp16", "causal", ([8, 3], [40, 3]))
     q, k, v, k_cache, v_cache, table, cu_q, cu_k = arrays

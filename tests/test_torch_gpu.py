@@ -40,7 +40,7 @@ def test_autograd_matches_float32_reference(causal, heads_kv):
 @pytest.mark.parametrize("options", [(-1, -1, 0.0, False, 0.0, False), (16, -1, 5.0, True, 0.25, False),
                                      (-1, -1, 0.0, False, 0.17, True)], ids=["plain", "variant", "rng-state"])
 def test_opcheck(options):
-    from cuflash2 import torch_ops
+    from cuflash2.frameworks import torch_adapter as torch_ops
 
     left, right, softcap, alibi, dropout_p, rng_state = options
     q, k, v = (torch.randn(1, 70, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
@@ -55,7 +55,7 @@ def test_opcheck(options):
 
 
 def test_opcheck_varlen():
-    from cuflash2 import torch_ops
+    from cuflash2.frameworks import torch_adapter as torch_ops
 
     q, k, v = (torch.randn(90, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 30, 90], dtype=torch.int32, device="cuda")
@@ -90,7 +90,7 @@ def test_torch_compile_fullgraph_forward_and_backward():
 def _eager_and_op_results(monkeypatch, call, leaves):
     """call() run through the eager autograd.Function and through the custom ops (as under
     torch.compile): (output, gradients) of each."""
-    from cuflash2 import torch_ops
+    from cuflash2.frameworks import torch_adapter as torch_ops
 
     results = []
     for compiling in (False, True):
@@ -148,7 +148,7 @@ def test_backward_of_gradients_in_any_layout(monkeypatch, compiling, loss):
     """Autograd passes the gradient in whatever layout the next op made (stride 0 everywhere from
     out.sum(), a misaligned view from a cat): both reach the kernels, as the reference says."""
     import cuflash2
-    from cuflash2 import torch_ops
+    from cuflash2.frameworks import torch_adapter as torch_ops
 
     monkeypatch.setattr(torch_ops, "_compiling", lambda: compiling)
     torch.manual_seed(3)

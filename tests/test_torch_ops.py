@@ -8,7 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cuflash2  # noqa: E402
-from cuflash2 import torch_ops  # noqa: E402
+from cuflash2.frameworks import torch_adapter as torch_ops  # noqa: E402
+from cuflash2.problem.options import AttentionOptions  # noqa: E402
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_eager_call_takes_the_function_and_differentiates(recorded):
 
 def test_softmax_lse_is_not_differentiable(recorded):
     q, k, v = _inputs()
-    out, lse, _ = torch_ops.forward(q, k, v, None, False, (-1, -1), 0.0, None, False)
+    out, lse, _ = torch_ops.forward(q, k, v, AttentionOptions(None, False), None)
     assert out.requires_grad and not lse.requires_grad
 
 
@@ -127,7 +128,7 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_read(make, copied):
 def test_meta_tensors_take_the_custom_ops_fake_implementation():
     """Tracing without torch.compile (make_fx, meta tensors) reaches the ops' fake kernels."""
     q, k, v = (torch.empty(2, 16, 4, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
-    out, lse, _ = torch_ops.forward(q, k, v, None, True, (-1, -1), 0.0, None, False)
+    out, lse, _ = torch_ops.forward(q, k, v, AttentionOptions(None, True), None)
     assert out.is_meta and out.shape == q.shape and out.dtype == q.dtype
     assert lse.is_meta and lse.shape == (2, 4, 16) and lse.dtype == torch.float32
 

@@ -14,8 +14,9 @@ import pytest
 
 import cuflash2
 from cuflash2 import reference
-from cuflash2.validate import (AttentionShape, TensorInfo, check_alignment, check_compute_capability,
-                               softmax_scale_or_default, validate_out, validate_qkv)
+from cuflash2.problem.tensors import (AttentionShape, TensorInfo, check_alignment, softmax_scale_or_default,
+                                      validate_out, validate_qkv)
+from cuflash2.runtime.device import check_compute_capability
 
 BF16 = ml_dtypes.bfloat16
 

@@ -1,4 +1,6 @@
-"""PyTorch integration: cuflash2's kernels as torch.library custom ops with autograd.
+"""The PyTorch adapter: torch tensors described without copies, outputs from torch's caching
+allocator, work on torch's current stream; cuflash2's kernels as torch.library custom ops with
+autograd.
 
 Imported only when a torch tensor is passed in. Outputs are allocated by torch (its caching
 allocator), kernels run on torch's current stream, and the ops have fake (meta) implementations, so
@@ -12,13 +14,170 @@ at short sequences is more than the kernels take. Both paths run the same code o
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from torch import Tensor
 
-from . import api, backward, call_plans, varlen
-from .dropout import NO_DROPOUT, DropoutSpec
-from .validate import softmax_scale_or_default
+from ..core import replay
+from ..dropout import NO_DROPOUT, DropoutSpec
+from ..problem.options import AttentionOptions
+from ..problem.tensors import TensorInfo, softmax_scale_or_default
+from ..runtime.device import import_cupy
+from .gpu import GpuAdapter, GpuCall, external_stream
+
+
+class TorchCall(GpuCall):
+    """A GPU call on torch tensors: described through torch's own attributes, outputs from torch."""
+
+    def tensor(self, name: str, x) -> TensorInfo:
+        if x.device.type != "cuda":
+            raise TypeError(f"{name}: expected a CUDA tensor, got a tensor on {x.device}")
+        if x.dim() and x.stride(-1) != 1 and x.shape[-1] > 1:
+            x = x.contiguous()
+            self.keep.append(x)
+        return TensorInfo(tuple(x.shape), tuple(x.stride()), str(x.dtype).removeprefix("torch."),
+                          f"cuda:{x.device.index}", x.data_ptr(), x.element_size())
+
+    def output(self, name: str, x) -> TensorInfo:
+        if x.device.type != "cuda":
+            raise TypeError(f"{name}: expected a CUDA tensor, got a tensor on {x.device}")
+        return self.checked_output(name, TensorInfo(tuple(x.shape), tuple(x.stride()),
+                                                    str(x.dtype).removeprefix("torch."), f"cuda:{x.device.index}",
+                                                    x.data_ptr(), x.element_size()))
+
+    @staticmethod
+    def exportable(x):
+        return x.detach() if x.requires_grad else x
+
+    def empty(self, shape, dtype_name: str, like=None):
+        array = torch.empty(shape, dtype=getattr(torch, dtype_name), device=f"cuda:{self.device_id}")
+        return array, self.tensor("out", array)
+
+    def result(self, x):
+        return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+
+
+class TorchOps:
+    """A replay's operations on torch tensors (torch's allocator, torch's stream)."""
+
+    def __init__(self):
+        self.array_type = torch.Tensor
+        self.current_device = import_cupy().cuda.runtime.getDevice  # the CUDA runtime's, shared with torch
+        self.float32 = torch.float32
+        self._devices: dict = {}
+        # The current stream as a raw handle without building a Stream object (what compiled torch
+        # code uses); the public call is the fallback.
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw if raw is not None else lambda index: torch.cuda.current_stream(index).cuda_stream
+
+    @staticmethod
+    def signature(x):
+        return x.shape, x.stride(), x.dtype, x.device
+
+    @staticmethod
+    def pointer(x) -> int:
+        return x.data_ptr()
+
+    @staticmethod
+    def strides_in_elements(x) -> tuple:
+        return tuple(x.stride())
+
+    def stream(self, device_id: int) -> int:
+        return self._raw_stream(device_id)
+
+    def _device(self, device_id: int):
+        device = self._devices.get(device_id)
+        if device is None:
+            device = self._devices[device_id] = torch.device("cuda", device_id)
+        return device
+
+    def empty(self, shape, dtype, device_id: int):
+        return torch.empty(shape, dtype=dtype, device=self._device(device_id))
+
+    def scratch(self, nbytes: int, device_id: int):
+        return torch.empty(nbytes, dtype=torch.uint8, device=self._device(device_id))
+
+
+_torch_allocators: dict[int, object] = {}
+
+
+def _torch_allocator(cp, device_id: int):
+    """A CuPy allocator whose memory is a torch tensor: everything a torch call allocates (scratch,
+    temporaries) is then counted by torch.cuda.memory_allocated, reused through torch's cache on
+    torch's current stream (the one the call runs on), and legal under torch.cuda.graph capture."""
+    allocate = _torch_allocators.get(device_id)
+    if allocate is None:
+        device = torch.device("cuda", device_id)
+
+        def allocate(nbytes: int):
+            block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            memory = cp.cuda.UnownedMemory(block.data_ptr(), nbytes, owner=block, device_id=device_id)
+            return cp.cuda.MemoryPointer(memory, 0)
+
+        _torch_allocators[device_id] = allocate
+    return allocate
+
+
+class TorchAdapter(GpuAdapter):
+    """Torch tensors: the generic GPU entry points on torch's stream and allocator, and the
+    differentiable ones through custom ops (torch.compile) or their eager autograd twins."""
+
+    call_type = TorchCall
+
+    def __init__(self):
+        self.name = "torch"
+        self.replay_ops = TorchOps()
+
+    @contextlib.contextmanager
+    def call(self, first_input):
+        if first_input.device.type != "cuda":
+            raise TypeError(f"q: expected a CUDA tensor (or a NumPy array for the CPU path), "
+                            f"got a torch tensor on {first_input.device}")
+        device_id = first_input.device.index
+        cp = import_cupy()
+        with cp.cuda.Device(device_id):  # scratch and CuPy temporaries come from torch's caching allocator too
+            stream = external_stream(cp, torch.cuda.current_stream(device_id).cuda_stream, device_id)
+            with stream, cp.cuda.using_allocator(_torch_allocator(cp, device_id)):
+                yield TorchCall(self.name, device_id, stream)
+
+    def attention(self, q, k, v, alibi_slopes, options: AttentionOptions, out, seed_given: bool,
+                  return_attn_probs: bool):
+        return forward(q, k, v, options, alibi_slopes, out, seed_given)
+
+    def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                         options: AttentionOptions, out, seed_given: bool, return_attn_probs: bool):
+        return varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, alibi_slopes,
+                              out, seed_given)
+
+    def paged_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k,
+                        alibi_slopes, options: AttentionOptions, out, return_attn_probs: bool):
+        return varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
+                                    alibi_slopes, block_table, out)
+
+    def kvcache_step(self, key, arrays: tuple):
+        if _use_custom_op(arrays[0]):  # traced: the custom op below, never a replay of real buffers
+            return None
+        return super().kvcache_step(key, arrays)
+
+    def kvcache(self, arrays: tuple, softmax_scale, causal: bool, window, softcap: float, interleaved: bool,
+                num_splits: int, return_softmax_lse: bool, key, host_lengths, checked: bool):
+        if _use_custom_op(arrays[0]):  # torch.compile: the custom op that mutates the caches
+            return kvcache_traced(arrays, softmax_scale, causal, window, softcap, interleaved, num_splits,
+                                  return_softmax_lse, checked)
+        return super().kvcache(arrays, softmax_scale, causal, window, softcap, interleaved, num_splits,
+                               return_softmax_lse, key, host_lengths, checked)
+
+
+ADAPTER = TorchAdapter()
+
+
+def _options(softmax_scale, causal, window_left, window_right, softcap, deterministic, dropout_p, dropout_seed,
+             dropout_rng_state) -> AttentionOptions:
+    """The options of a custom op's flat arguments (checked by the public function that made them)."""
+    dropout = DropoutSpec(dropout_p, dropout_seed, 0, dropout_rng_state) if dropout_p else NO_DROPOUT
+    return AttentionOptions(softmax_scale, causal, (window_left, window_right), softcap, deterministic, dropout)
 
 
 def _compiling() -> bool:
@@ -41,22 +200,15 @@ def _use_custom_op(q: Tensor) -> bool:
 
 def _fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
               dropout_seed, deterministic, dropout_rng_state):
-    window = (window_left, window_right)
-    result = call_plans.replay(api.forward_plan_key(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
-                                                    dropout_p), (q, k, v))
+    options = _options(softmax_scale, causal, window_left, window_right, softcap, deterministic, dropout_p,
+                       dropout_seed, dropout_rng_state)
+    result = replay.replay(ADAPTER.forward_key(q, k, v, options, alibi_slopes), (q, k, v))
     if result is not None:  # a call signature seen before: what forward_into below would launch
         return result
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-    api.forward_into(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, window_size=window,
-                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                     **_dropout_source(dropout_p, dropout_seed, dropout_rng_state))
+    ADAPTER.forward_into(q, k, v, out, lse, alibi_slopes, options)
     return out, lse
-
-
-def _dropout_source(dropout_p, dropout_seed, dropout_rng_state) -> dict:
-    """The seed keywords of the ops' flat arguments (the device rng_state when there is one)."""
-    return api.dropout_source(DropoutSpec(dropout_p, dropout_seed, 0, dropout_rng_state))
 
 
 @torch.library.custom_op("cuflash2::flash_attn_fwd", mutates_args=(), device_types="cuda")
@@ -76,18 +228,14 @@ def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
               dropout_p, dropout_seed, deterministic, dropout_rng_state):
     dout = _kernel_ready(dout)  # here, not in the autograd formula: torch.compile traces that with fake tensors
-    window = (window_left, window_right)
-    result = call_plans.replay(backward.backward_plan_key(dout, q, k, v, out, lse, softmax_scale, causal, window,
-                                                          softcap, alibi_slopes, deterministic, dropout_p),
-                               (dout, q, k, v, out, lse))
-    if result is not None:  # a call signature seen before: what flash_attn_backward below would launch
+    options = _options(softmax_scale, causal, window_left, window_right, softcap, deterministic, dropout_p,
+                       dropout_seed, dropout_rng_state)
+    result = replay.replay(ADAPTER.backward_key(dout, q, k, v, out, lse, options, alibi_slopes),
+                           (dout, q, k, v, out, lse))
+    if result is not None:  # a call signature seen before: what the backward below would launch
         return result
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    backward.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                                 window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                 deterministic=deterministic, dq=dq, dk=dk, dv=dv, dropout_p=dropout_p,
-                                 **_dropout_source(dropout_p, dropout_seed, dropout_rng_state))
-    return dq, dk, dv
+    return ADAPTER.backward(dout, q, k, v, out, lse, alibi_slopes, options, dq, dk, dv)
 
 
 @torch.library.custom_op("cuflash2::flash_attn_bwd", mutates_args=(), device_types="cuda")
@@ -148,18 +296,19 @@ class _EagerAttention(torch.autograd.Function):
         return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
-def forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic, out=None,
-            dropout: DropoutSpec = NO_DROPOUT, seed_given: bool = True):
+def forward(q, k, v, options: AttentionOptions, alibi_slopes, out=None, seed_given: bool = True):
     """(out, softmax_lse, dropout) through the custom op (torch.compile) or its eager twin;
     differentiable with respect to q, k, v (not the ALiBi slopes, as in FA2). Without seed_given, a
     dropout call draws its (seed, offset) from torch's generator; the returned spec carries them."""
-    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
+    scale = softmax_scale_or_default(options.softmax_scale, q.shape[-1])
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes: expected a torch tensor like q, got {type(alibi_slopes).__name__}")
-    dropout = _with_rng_state(dropout, seed_given, q.device)
+    dropout = _with_rng_state(options.dropout, seed_given, q.device)
+    window = options.window
     op = _flash_attn_fwd if _use_custom_op(q) else _EagerAttention.apply
-    result, lse = op(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
-                     float(dropout.p), int(dropout.seed), bool(deterministic), dropout.rng_state)
+    result, lse = op(q, k, v, scale, bool(options.causal), int(window[0]), int(window[1]), float(options.softcap),
+                     alibi_slopes, float(dropout.p), int(dropout.seed), bool(options.deterministic),
+                     dropout.rng_state)
     if out is not None:
         out.copy_(result)
         result = out
@@ -180,12 +329,11 @@ def _with_rng_state(dropout: DropoutSpec, seed_given: bool, device) -> DropoutSp
 def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic,
                      dropout_rng_state):
+    options = _options(softmax_scale, causal, window_left, window_right, softcap, deterministic, dropout_p,
+                       dropout_seed, dropout_rng_state)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    out, lse = varlen.flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                softmax_scale, causal, (window_left, window_right), softcap,
-                                                alibi_slopes, out=out, dropout_p=dropout_p,
-                                                **_dropout_source(dropout_p, dropout_seed, dropout_rng_state))
-    return out, lse
+    return ADAPTER.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                                  options, out)
 
 
 @torch.library.custom_op("cuflash2::flash_attn_varlen_fwd", mutates_args=(), device_types="cuda")
@@ -208,12 +356,11 @@ def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
                      causal, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic,
                      dropout_rng_state):
     dout = _kernel_ready(dout)
+    options = _options(softmax_scale, causal, window_left, window_right, softcap, deterministic, dropout_p,
+                       dropout_seed, dropout_rng_state)
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    varlen.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
-                                      deterministic, dq=dq, dk=dk, dv=dv, dropout_p=dropout_p,
-                                      **_dropout_source(dropout_p, dropout_seed, dropout_rng_state))
-    return dq, dk, dv
+    return ADAPTER.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   alibi_slopes, options, dq, dk, dv)
 
 
 @torch.library.custom_op("cuflash2::flash_attn_varlen_bwd", mutates_args=(), device_types="cuda")
@@ -267,16 +414,16 @@ class _EagerVarlenAttention(torch.autograd.Function):
         return (dq, dk, dv, None, None) + (None,) * len(ctx.options)
 
 
-def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
-                   softcap, alibi_slopes, deterministic, out=None, dropout: DropoutSpec = NO_DROPOUT,
-                   seed_given: bool = True):
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options: AttentionOptions,
+                   alibi_slopes, out=None, seed_given: bool = True):
     """(out, softmax_lse, dropout) of a varlen call through the custom op or its eager twin;
     differentiable w.r.t. q, k, v. Dropout seeds as in forward."""
-    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
+    scale = softmax_scale_or_default(options.softmax_scale, q.shape[-1])
+    causal, window, softcap, deterministic = options.causal, options.window, options.softcap, options.deterministic
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes)):
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor like q, got {type(x).__name__}")
-    dropout = _with_rng_state(dropout, seed_given, q.device)
+    dropout = _with_rng_state(options.dropout, seed_given, q.device)
     op = _flash_attn_varlen_fwd if _use_custom_op(q) else _EagerVarlenAttention.apply
     result, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
                      int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout.p), int(dropout.seed),
@@ -291,15 +438,15 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_value,
                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
-                  softcap, rotary_interleaved, alibi_slopes, num_splits):
-    from . import kvcache
-
+                  softcap, rotary_interleaved, alibi_slopes, num_splits, checked=False):
     lengths = cache_seqlens if cache_seqlens is not None else (None if cache_seqlens_value < 0 else
                                                                 cache_seqlens_value)
-    return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_batch_idx,
-                                           cache_leftpad, block_table, softmax_scale, causal,
-                                           (window_left, window_right), softcap, rotary_interleaved, alibi_slopes,
-                                           num_splits, return_softmax_lse=True)
+    arrays = (q, k_cache, v_cache, k, v, lengths, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+              rotary_cos, rotary_sin)
+    host_lengths = lengths if isinstance(lengths, int) else None
+    return GpuAdapter.kvcache(ADAPTER, arrays, softmax_scale, causal, (window_left, window_right), softcap,
+                              rotary_interleaved, num_splits, True, None, host_lengths,
+                              host_lengths is not None or (lengths is not None and checked))
 
 
 @torch.library.custom_op("cuflash2::flash_attn_with_kvcache", mutates_args=("k_cache", "v_cache"),
@@ -309,10 +456,10 @@ def _flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Ten
                              cache_seqlens_value: int, cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None,
                              block_table: Tensor | None, softmax_scale: float | None, causal: bool, window_left: int,
                              window_right: int, softcap: float, rotary_interleaved: bool,
-                             alibi_slopes: Tensor | None, num_splits: int) -> tuple[Tensor, Tensor]:
+                             alibi_slopes: Tensor | None, num_splits: int, checked: bool) -> tuple[Tensor, Tensor]:
     return _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_value,
                          cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
-                         softcap, rotary_interleaved, alibi_slopes, num_splits)
+                         softcap, rotary_interleaved, alibi_slopes, num_splits, checked)
 
 
 @_flash_attn_with_kvcache.register_fake
@@ -320,11 +467,13 @@ def _(q, k_cache, v_cache, *options):
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
-def kvcache_traced(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                   block_table, softmax_scale, causal, window, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                   return_softmax_lse):
+def kvcache_traced(arrays: tuple, softmax_scale, causal, window, softcap, rotary_interleaved, num_splits,
+                   return_softmax_lse, checked: bool):
     """flash_attn_with_kvcache as a custom op that mutates the caches, for torch.compile and fake
-    tensors (eager calls keep the direct path and its decoding-step fast path)."""
+    tensors (eager calls keep the direct path and its decoding-step replay). `arrays` as
+    cuflash2.core.kvcache.INPUT_BUFFERS."""
+    (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos,
+     rotary_sin) = arrays
     value = -1
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
         value, cache_seqlens = int(cache_seqlens), None
@@ -334,13 +483,8 @@ def kvcache_traced(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
                                         cache_batch_idx, cache_leftpad, block_table,
                                         None if softmax_scale is None else float(softmax_scale), bool(causal),
                                         int(window[0]), int(window[1]), float(softcap), bool(rotary_interleaved),
-                                        alibi_slopes, int(num_splits))
+                                        alibi_slopes, int(num_splits), bool(checked))
     return (out, lse) if return_softmax_lse else out
-
-
-def traced(q) -> bool:
-    """Whether a call on q must go through the custom ops (torch.compile tracing, fake or meta tensors)."""
-    return _use_custom_op(q)
 
 
 # ---- paged varlen (forward only) --------------------------------------------------------------------
@@ -350,9 +494,9 @@ def traced(q) -> bool:
 def _varlen_paged_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return varlen.flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
-                                            out=out, block_table=block_table)
+    options = AttentionOptions(softmax_scale, causal, (window_left, window_right), softcap)
+    return ADAPTER.paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k,
+                                 alibi_slopes, options, out)
 
 
 @torch.library.custom_op("cuflash2::flash_attn_varlen_paged_fwd", mutates_args=(), device_types="cuda")
@@ -369,11 +513,12 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, *options):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-def varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                         window, softcap, alibi_slopes, block_table, out=None):
+def varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options: AttentionOptions,
+                         alibi_slopes, block_table, out=None):
     """(out, softmax_lse) of a varlen call against paged K/V (forward only: inputs that require
     grad raise while grad mode is on; run under torch.no_grad() / torch.inference_mode())."""
-    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
+    scale = softmax_scale_or_default(options.softmax_scale, q.shape[-1])
+    causal, window, softcap = options.causal, options.window, options.softcap
     for name, x in (("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                     ("block_table", block_table), ("alibi_slopes", alibi_slopes)):
         if x is not None and not isinstance(x, torch.Tensor):

@@ -1,4 +1,5 @@
-"""Input validation: pure functions over tensor descriptions, run before any compile or launch.
+"""Attention problems and their checks: pure functions over tensor descriptions, run before any
+compile or launch.
 
 Every error names the argument, what was expected and what was given.
 """
@@ -8,28 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .config import MAX_HEAD_DIM
+from ..runtime.tensors import TensorInfo, contiguous_info
 
+MAX_HEAD_DIM = 256
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (batch and heads go there)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
-ALIGN_BYTES = 16  # the widest global access; narrower layouts take narrower ones (config.vector_width)
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """What validation needs to know about an array, framework-independent."""
-
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]  # in elements
-    dtype: str  # numpy-style name: "float16", "bfloat16", ...
-    device: str  # "cpu" or "cuda:N"
-    data_ptr: int = 0
-    itemsize: int = 2
-
-
-def contiguous_info(shape, dtype: str, itemsize: int, device: str = "", data_ptr: int = 0) -> TensorInfo:
-    """TensorInfo of a dense row-major array of this shape."""
-    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return TensorInfo(tuple(shape), strides, dtype, device, data_ptr, itemsize)
+ALIGN_BYTES = 16  # the widest global access; narrower layouts take narrower ones (the kernel family's vector width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +61,7 @@ def check_dtype(name: str, info: TensorInfo, expected: str | None = None) -> Non
 def check_alignment(name: str, info: TensorInfo) -> None:
     """The kernels access whole elements: the base pointer must be a multiple of the element size.
     Pointers and strides need no more: a call whose layout does not allow 16-byte accesses runs
-    kernels built for 8-, 4- or 2-byte ones (config.vector_width), without a copy."""
+    kernels built for 8-, 4- or 2-byte ones (the kernel family's vector width), without a copy."""
     expect(info.data_ptr % info.itemsize == 0,
             lambda: f"{name}: expected a data pointer aligned to {info.itemsize} bytes (whole elements), got address "
             f"{info.data_ptr:#x}")
@@ -129,8 +114,34 @@ def validate_out(out: TensorInfo, shape: AttentionShape, check_pointers: bool = 
         check_alignment("out", out)
 
 
-def check_compute_capability(major: int, minor: int) -> int:
-    arch = major * 10 + minor
-    expect(arch >= 80, lambda: f"device: expected a GPU of compute capability >= 8.0 (Ampere or newer), "
-                        f"got {major}.{minor}", RuntimeError)
-    return arch
+def check_grid(shape: AttentionShape) -> None:
+    """Batch and heads index the launch grid's y and z dimensions."""
+    for name, value in (("batch", shape.batch), ("nheads", shape.nheads)):
+        if value > MAX_GRID_YZ:
+            raise ValueError(f"q: expected {name} <= {MAX_GRID_YZ}, got {value}")
+
+
+def check_like_input(name, info, q_info) -> None:
+    if info.shape != q_info.shape:
+        raise ValueError(f"{name}: expected shape {q_info.shape} (same as {like_name(name)}), got {info.shape}")
+    if info.dtype != q_info.dtype:
+        raise TypeError(f"{name}: expected dtype {q_info.dtype} (same as {like_name(name)}), got {info.dtype}")
+
+
+def like_name(name: str) -> str:
+    return {"dk": "k", "dv": "v"}.get(name, "q")
+
+
+def check_lse(info, shape: AttentionShape) -> None:
+    expected = (shape.batch, shape.nheads, shape.seqlen_q)
+    if tuple(info.shape) != expected:
+        raise ValueError(f"softmax_lse: expected shape {expected}, got {tuple(info.shape)}")
+    if info.dtype != "float32":
+        raise TypeError(f"softmax_lse: expected dtype float32, got {info.dtype}")
+    if all(info.shape) and info.strides != (shape.nheads * shape.seqlen_q, shape.seqlen_q, 1):
+        raise ValueError(f"softmax_lse: expected a contiguous array, got strides {info.strides}")
+
+
+__all__ = ["ALIGN_BYTES", "MAX_GRID_YZ", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "AttentionShape", "TensorInfo",
+           "check_alignment", "check_bool", "check_like_input", "check_lse", "like_name", "check_dtype", "check_grid", "contiguous_info", "expect",
+           "softmax_scale_or_default", "validate_out", "validate_qkv"]

@@ -1,8 +1,8 @@
-"""FlashAttention-2's optional features of one call (sliding window, softcap, ALiBi, varlen):
-validation and the kernel arguments they become. Pure functions over tensor descriptions.
+"""FlashAttention-2's optional features of one call (sliding window, softcap, ALiBi, varlen,
+dropout): their validation. Pure functions over tensor descriptions.
 
-A call that uses none of them runs the plain kernels; any of them selects the variant kernels,
-which take the features as run-time parameters (kernels_cu/variant.cuh).
+A call that uses none of them can run kernels without them (Features.is_plain); a kernel family
+turns them into its kernels' arguments.
 """
 
 from __future__ import annotations
@@ -12,12 +12,7 @@ import math
 
 import numpy as np
 
-from .dropout import dropout_threshold, rescale
-from .validate import AttentionShape, TensorInfo, expect
-
-#: Window sides at or beyond this are unbounded (keeps the kernels' int arithmetic far from overflow).
-UNBOUNDED = 1 << 30
-LOG2_E = 1.0 / math.log(2.0)
+from .tensors import AttentionShape, TensorInfo, expect
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +45,7 @@ class Features:
     @property
     def replayable(self) -> bool:
         """No ALiBi slopes, cu_seqlens or dropout: the kernel arguments hold no per-call address or
-        seed, so recorded launches can be replayed with new buffers (cuflash2.call_plans)."""
+        seed, so recorded launches can be replayed with new buffers (cuflash2.core.replay)."""
         return self.alibi is None and not self.varlen and self.dropout_p == 0.0
 
     @property
@@ -58,29 +53,23 @@ class Features:
         """Softcap or ALiBi: the kernels then compute natural-log logits before the softmax."""
         return self.softcap > 0.0 or self.alibi is not None
 
-    def kernel_args(self, causal: bool, softmax_scale: float) -> tuple:
-        """(scale_log2, softmax_scale, cu_seqlens_q, cu_seqlens_k, window_left, window_right, softcap,
-        alibi_slopes, alibi_batch_stride, dropout_seed, dropout_offset, dropout_threshold,
-        dropout_rescale, dropout_rng_state) as the kernels take them."""
-        left = UNBOUNDED if self.window_left < 0 else min(self.window_left, UNBOUNDED)
-        right = UNBOUNDED if self.window_right < 0 else min(self.window_right, UNBOUNDED)
-        if causal:
-            right = 0
-        scale_log2 = LOG2_E if self.modifies_scores else softmax_scale * LOG2_E
-        alibi_ptr = self.alibi.data_ptr if self.alibi is not None else 0
-        alibi_batch_stride = self.alibi.strides[0] if self.alibi is not None and len(self.alibi.shape) == 2 else 0
-        threshold = dropout_threshold(self.dropout_p)
-        return (np.float32(scale_log2), np.float32(softmax_scale),
-                np.uint64(self.cu_seqlens_q.data_ptr if self.varlen else 0),
-                np.uint64(self.cu_seqlens_k.data_ptr if self.varlen else 0),
-                np.int32(left), np.int32(right), np.float32(self.softcap),
-                np.uint64(alibi_ptr), np.int64(alibi_batch_stride), np.int64(self.dropout_seed),
-                np.int64(self.dropout_offset & 0xFFFFFFFF), np.int32(threshold),
-                np.float32(rescale(self.dropout_p)),
-                np.uint64(self.dropout_rng_state.data_ptr if self.dropout_rng_state is not None else 0))
-
 
 PLAIN = Features()
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionProblem:
+    """One attention call as a kernel family sees it: sizes, mask and optional features (no
+    addresses). What family_for chooses a family by, and what a family's entry points take."""
+
+    shape: AttentionShape
+    causal: bool = False
+    features: Features = PLAIN
+
+    @property
+    def plain(self) -> bool:
+        """True when kernels without the optional features compute this call exactly."""
+        return self.features.is_plain(self.causal)
 
 
 def check_window(window_size) -> tuple[int, int]:

@@ -18,8 +18,21 @@ import pathlib
 import re
 import threading
 import time
+from typing import Protocol
 
-from .config import KernelConfig
+
+class KernelConfig(Protocol):
+    """What the compiler needs of a kernel instantiation (a kernel family's config, hashable: the
+    key of the loaded-kernel cache)."""
+
+    source_file: str
+    smem_bytes: int
+
+    def template_name(self) -> str: ...
+
+    def compile_options(self) -> tuple[str, ...]: ...
+
+    def short_id(self) -> str: ...
 
 #: Says when a kernel is compiled (or loaded from CuPy's disk cache) on its first use in a process.
 #: Silent by default; logging.basicConfig(level=logging.INFO) or
@@ -35,7 +48,7 @@ def kernel_dir() -> pathlib.Path:
     packaged = importlib.resources.files("cuflash2") / "kernels_cu"
     if packaged.is_dir():
         return pathlib.Path(str(packaged))
-    checkout = pathlib.Path(__file__).resolve().parent.parent / "kernels_cu"
+    checkout = pathlib.Path(__file__).resolve().parents[2] / "kernels_cu"
     if checkout.is_dir():
         return checkout
     raise FileNotFoundError("cuflash2's CUDA sources (kernels_cu) are missing from this installation")

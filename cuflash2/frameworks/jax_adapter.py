@@ -1,4 +1,4 @@
-"""JAX integration: differentiable attention functions usable under jax.jit and jax.grad.
+"""The JAX adapter: differentiable attention functions usable under jax.jit and jax.grad.
 
 The kernels run inside `jax.experimental.buffer_callback` (experimental JAX API): XLA hands the
 callback its device buffers and its compute stream, and cuflash2 launches on that stream, writing
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import interop, launch
-from .api import _check_grid, _fill
-from .features import (
+from ..core import ops
+from ..problem.features import (
+    AttentionProblem,
     Features,
     as_batched,
     check_alibi,
@@ -39,7 +39,12 @@ from .features import (
     check_packed_dims,
     varlen_shape,
 )
-from .validate import AttentionShape, TensorInfo, contiguous_info, expect, validate_qkv
+from ..problem.options import AttentionOptions
+from ..problem.tensors import AttentionShape, TensorInfo, check_grid, contiguous_info, expect, validate_qkv
+from ..problem.varlen import validate_paged_varlen
+from ..runtime import launcher
+from ..runtime.device import import_cupy
+from .gpu import GpuAdapter, GpuCall, external_stream
 
 NO_DROPOUT = (0.0, 0, 0)
 
@@ -68,9 +73,9 @@ def _element_type(shape: AttentionShape):
 
 
 def _device_and_stream(ctx, ptr: int):
-    cp = interop.import_cupy()
+    cp = import_cupy()
     device_id = cp.cuda.runtime.pointerGetAttributes(ptr).device
-    return device_id, interop.external_stream(cp, ctx.stream, device_id)
+    return device_id, external_stream(cp, ctx.stream, device_id)
 
 
 def _features(options, alibi, **varlen) -> Features:
@@ -88,9 +93,9 @@ def _forward_callback(ctx, outputs, q, k, v, alibi, *, shape: AttentionShape, ca
     infos = [_buffer_info(b, s, dtype) for b, s in ((q, q_shape), (k, k_shape), (v, v_shape), (out, q_shape))]
     lse_info = _buffer_info(lse, lse_shape, np.float32)
     device_id, stream = _device_and_stream(ctx, infos[0].data_ptr)
-    cp = interop.import_cupy()
-    with cp.cuda.Device(device_id), stream:
-        launch.forward(*infos, lse_info, shape, causal, device_id, stream, features=_features(options, alibi))
+    problem = AttentionProblem(shape, causal, _features(options, alibi))
+    with import_cupy().cuda.Device(device_id), stream:
+        ops.forward(problem, *infos, lse_info, device_id, stream)
 
 
 def _backward_callback(ctx, grads, dout, q, k, v, out, lse, alibi, *, shape: AttentionShape, causal: bool,
@@ -102,10 +107,9 @@ def _backward_callback(ctx, grads, dout, q, k, v, out, lse, alibi, *, shape: Att
     lse_info = _buffer_info(lse, lse_shape, np.float32)
     grad_infos = [_buffer_info(g, s, dtype) for g, s in zip(grads, (q_shape, k_shape, v_shape))]
     device_id, stream = _device_and_stream(ctx, tensors[1].data_ptr)
-    cp = interop.import_cupy()
-    with cp.cuda.Device(device_id), stream:
-        launch.backward(*tensors, lse_info, *grad_infos, shape, causal, deterministic, device_id, stream,
-                        features=_features(options, alibi))
+    problem = AttentionProblem(shape, causal, _features(options, alibi))
+    with import_cupy().cuda.Device(device_id), stream:
+        ops.backward(problem, deterministic, *tensors, lse_info, *grad_infos, device_id, stream)
 
 
 def _shape_of(q, k, v, softmax_scale) -> AttentionShape:
@@ -180,7 +184,7 @@ def _options(shape: AttentionShape, window, softcap, alibi_slopes, dropout):
 
 def forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, deterministic, dropout=NO_DROPOUT):
     """(out, softmax_lse), differentiable with respect to q, k, v; traceable under jit. `dropout` is
-    (p, seed, offset), already checked (api.resolve_dropout)."""
+    (p, seed, offset), already checked (cuflash2.problem.options.resolve_dropout)."""
     _check_jax_inputs(k=k, v=v)
     causal, deterministic = _static_flags(causal=causal, deterministic=deterministic)
     shape = _shape_of(q, k, v, softmax_scale)
@@ -197,20 +201,20 @@ def check_concrete(name: str, *arrays) -> None:
                                   "jax.vmap; call without it there")
 
 
-def check_call(out, return_attn_probs, dropout_p, dropout_seed, *arrays) -> None:
+def check_call(out, return_attn_probs, dropout_p, seed_given: bool, *arrays) -> None:
     """What a JAX call cannot do, refused before any tracing of the kernels: `out=` (JAX arrays are
     immutable), attention probabilities of traced arrays, a seed drawn at trace time."""
     if out is not None:
         raise TypeError("out: JAX arrays are immutable; out= is not supported with JAX inputs")
     if return_attn_probs:  # built outside XLA: fail before the launch when traced
         check_concrete("return_attn_probs", *arrays)
-    check_dropout_seed(dropout_p, dropout_seed, *arrays)
+    check_dropout_seed(dropout_p, seed_given, *arrays)
 
 
-def check_dropout_seed(dropout_p, dropout_seed, *arrays) -> None:
+def check_dropout_seed(dropout_p, seed_given: bool, *arrays) -> None:
     """Under jax.jit the seed is fixed when the function is traced: a seed drawn then would give every
     call of the compiled function the same mask, so a traced call must name its seed."""
-    if dropout_p and dropout_seed is None and any(isinstance(x, jax.core.Tracer) for x in arrays):
+    if dropout_p and not seed_given and any(isinstance(x, jax.core.Tracer) for x in arrays):
         raise ValueError("dropout_seed: expected an int under jax.jit / jax.grad (the seed is fixed at trace "
                          "time, so a seed drawn there would repeat the same mask on every call), got None")
 
@@ -249,11 +253,10 @@ def _varlen_features(problem: VarlenProblem, options, alibi, cu_q, cu_k) -> Feat
                      total_k=problem.total_k)
 
 
-def _prefill(device_id: int, stream, *pairs) -> None:
+def _prefill(device_id: int, *pairs) -> None:
     """Fill described buffers (info, value) before the kernels write the rows they cover."""
-    call = interop.GpuCall("jax", device_id, stream)
     for info, value in pairs:
-        _fill(call, info, value)
+        launcher.fill(info, value, device_id)
 
 
 def _varlen_forward_callback(ctx, outputs, q, k, v, cu_q, cu_k, alibi, *, problem: VarlenProblem, causal: bool,
@@ -266,13 +269,12 @@ def _varlen_forward_callback(ctx, outputs, q, k, v, cu_q, cu_k, alibi, *, proble
     lse_i = _buffer_info(lse, lse_shape, np.float32)
     features = _varlen_features(problem, options, alibi, cu_q, cu_k)
     device_id, stream = _device_and_stream(ctx, q_i.data_ptr)
-    cp = interop.import_cupy()
-    with cp.cuda.Device(device_id), stream:
+    with import_cupy().cuda.Device(device_id), stream:
         if problem.prefill:
-            _prefill(device_id, stream, (out_i, 0), (lse_i, np.inf))
-        launch.forward(problem.batched(q_i, "q"), problem.batched(k_i, "k"), problem.batched(v_i, "k"),
-                       problem.batched(out_i, "q"), lse_i, problem.shape, causal, device_id, stream,
-                       features=features)
+            _prefill(device_id, (out_i, 0), (lse_i, np.inf))
+        ops.varlen_forward(AttentionProblem(problem.shape, causal, features), problem.batched(q_i, "q"),
+                           problem.batched(k_i, "k"), problem.batched(v_i, "k"), problem.batched(out_i, "q"), lse_i,
+                           device_id, stream)
 
 
 def _varlen_backward_callback(ctx, grads, dout, q, k, v, out, lse, cu_q, cu_k, alibi, *, problem: VarlenProblem,
@@ -286,13 +288,12 @@ def _varlen_backward_callback(ctx, grads, dout, q, k, v, out, lse, cu_q, cu_k, a
     lse_i = _buffer_info(lse, lse_shape, np.float32)
     features = _varlen_features(problem, options, alibi, cu_q, cu_k)
     device_id, stream = _device_and_stream(ctx, tensors[1].data_ptr)
-    cp = interop.import_cupy()
-    with cp.cuda.Device(device_id), stream:
+    with import_cupy().cuda.Device(device_id), stream:
         if problem.prefill:
-            _prefill(device_id, stream, *((g, 0) for g in grad_infos))
-        launch.backward(*(problem.batched(t, r) for t, r in zip(tensors, rows)), lse_i,
-                        *(problem.batched(g, r) for g, r in zip(grad_infos, ("q", "k", "k"))), problem.shape,
-                        causal, deterministic, device_id, stream, features=features)
+            _prefill(device_id, *((g, 0) for g in grad_infos))
+        ops.varlen_backward(AttentionProblem(problem.shape, causal, features), deterministic,
+                            *(problem.batched(t, r) for t, r in zip(tensors, rows)), lse_i,
+                            *(problem.batched(g, r) for g, r in zip(grad_infos, ("q", "k", "k"))), device_id, stream)
 
 
 def _varlen_forward(q, k, v, cu_q, cu_k, alibi, problem: VarlenProblem, causal, options):
@@ -369,7 +370,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     batch = _cu_seqlens_batch("cu_seqlens_q", cu_seqlens_q, None)
     _cu_seqlens_batch("cu_seqlens_k", cu_seqlens_k, batch)
     shape = varlen_shape(infos[0], infos[1], batch, max_seqlen_q, max_seqlen_k, one.softmax_scale)
-    _check_grid(shape)
+    check_grid(shape)
     alibi, options = _options(shape, window, softcap, alibi_slopes, dropout)
     total_q, total_k = q.shape[0], k.shape[0]
     cu_q, covers_q = _checked_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, batch)
@@ -398,8 +399,6 @@ class PagedVarlenProblem:
 
 def _paged_forward_callback(ctx, outputs, q, k, v, cu_q, cu_k, table, alibi, *, problem: PagedVarlenProblem,
                             causal: bool, options):
-    from .kvcache import paged_varlen_forward
-
     out, lse = outputs
     s = problem.shape
     dtype = _element_type(s)
@@ -410,13 +409,12 @@ def _paged_forward_callback(ctx, outputs, q, k, v, cu_q, cu_k, table, alibi, *, 
     features = _features(options, alibi, cu_seqlens_q=_buffer_info(cu_q, cu_shape, np.int32),
                          cu_seqlens_k=_buffer_info(cu_k, cu_shape, np.int32), total_q=problem.total_q)
     device_id, stream = _device_and_stream(ctx, q_i.data_ptr)
-    cp = interop.import_cupy()
-    with cp.cuda.Device(device_id), stream:
+    with import_cupy().cuda.Device(device_id), stream:
         if problem.prefill:
-            _prefill(device_id, stream, (out_i, 0), (lse_i, np.inf))
-        paged_varlen_forward(interop.GpuCall("jax", device_id, stream), q_i, k_i, v_i, out_i, lse_i,
-                             _buffer_info(table, problem.table_shape, np.int32), s, problem.cache_shape[1], causal,
-                             features)
+            _prefill(device_id, (out_i, 0), (lse_i, np.inf))
+        ops.paged_varlen_forward(AttentionProblem(s, causal, features), q_i, k_i, v_i, out_i, lse_i,
+                                 _buffer_info(table, problem.table_shape, np.int32), problem.cache_shape[1], device_id,
+                                 stream)
 
 
 def _paged_forward(q, k, v, cu_q, cu_k, table, alibi, problem: PagedVarlenProblem, causal, options):
@@ -449,8 +447,6 @@ def varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                          causal, window, softcap, alibi_slopes, block_table):
     """(out (total_q, nheads, d), softmax_lse (nheads, total_q)) of a varlen call against paged K/V;
     traceable under jit, not differentiable."""
-    from .varlen import validate_paged_varlen
-
     _check_jax_inputs(k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table)
     infos = {name: _contiguous_info(x.shape, x.dtype) for name, x in
              (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
@@ -471,3 +467,52 @@ def varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                                 prefill=traced or not problem.covers_all_rows)
     (causal,) = _static_flags(causal=causal)
     return _paged_attention(q, k, v, cu_q, cu_seqlens_k, block_table, alibi, static, causal, options)
+
+
+class JaxCall(GpuCall):
+    """An eager GPU call on JAX arrays (the explicit forward/backward functions): through DLPack."""
+
+    def result(self, x):
+        return jax.dlpack.from_dlpack(x)
+
+
+class JaxAdapter(GpuAdapter):
+    """JAX arrays: the differentiable entry points through custom_vjp over buffer_callback; the
+    explicit ones eagerly through DLPack."""
+
+    call_type = JaxCall
+
+    def __init__(self):
+        self.name = "jax"
+
+    def attention(self, q, k, v, alibi_slopes, options: AttentionOptions, out, seed_given: bool,
+                  return_attn_probs: bool):
+        check_call(out, return_attn_probs, options.dropout.p, seed_given, q, k, v, alibi_slopes)
+        dropout = options.dropout
+        out, lse = forward(q, k, v, options.softmax_scale, options.causal, options.window, options.softcap,
+                           alibi_slopes, options.deterministic, (dropout.p, dropout.seed, dropout.offset))
+        return out, lse, dropout
+
+    def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                         options: AttentionOptions, out, seed_given: bool, return_attn_probs: bool):
+        check_call(out, return_attn_probs, options.dropout.p, seed_given, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                   alibi_slopes)
+        dropout = options.dropout
+        out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  options.softmax_scale, options.causal, options.window, options.softcap, alibi_slopes,
+                                  options.deterministic, (dropout.p, dropout.seed, dropout.offset))
+        return out, lse, dropout
+
+    def paged_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k,
+                        alibi_slopes, options: AttentionOptions, out, return_attn_probs: bool):
+        check_call(out, return_attn_probs, 0.0, True, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
+        return varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    options.softmax_scale, options.causal, options.window, options.softcap,
+                                    alibi_slopes, block_table)
+
+    def kvcache(self, arrays: tuple, softmax_scale, causal: bool, window, softcap: float, interleaved: bool,
+                num_splits: int, return_softmax_lse: bool, key, host_lengths, checked: bool):
+        raise NotImplementedError("q: flash_attn_with_kvcache updates the cache in place; JAX arrays are immutable")
+
+
+ADAPTER = JaxAdapter()

@@ -1,36 +1,29 @@
-"""Kernel launches on described device tensors (pointer, shape, strides): no array objects are
-built on the hot path, so a call costs little more than the launches themselves.
+"""The mma.sync kernels' forward and backward launches on described device tensors (pointer, shape,
+strides), with their argument lists: no array objects are built on the hot path, so a call costs
+little more than the launches themselves.
 
-Every function here runs on the given CuPy stream and assumes its inputs were validated.
+Every function here runs on the given CuPy stream and assumes its inputs were validated. Launches
+and scratch go through cuflash2.runtime.launcher, so a call's launches can be recorded and replayed.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import threading
 
 import numpy as np
 
-from . import packed_launch
-from .compiler import get_kernel
-from .config import (MAX_GRID_YZ, KernelConfig, backward_plan, forward_config, fp32_cols,
-                     narrow_backward_plan, vector_width, with_vector_width)
-from .features import PLAIN, Features
-from .validate import AttentionShape, TensorInfo, check_compute_capability
+from ...dropout import dropout_threshold, rescale
+from ...problem.features import PLAIN, Features
+from ...problem.tensors import AttentionShape, TensorInfo
+from ...runtime import launcher
+from ...runtime.device import device_arch
+from .backward_plans import backward_plan, narrow_backward_plan
+from .forward_tiles import forward_config
+from .kernel_config import MAX_GRID_YZ, KernelConfig, fp32_cols, vector_width, with_vector_width
 
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 _ELEMENTWISE_THREADS = 256
 _i32, _i64, _f32, _ptr = np.int32, np.int64, np.float32, np.uint64
-
-
-@functools.cache
-def device_arch(device_id: int) -> int:
-    """Compute capability as an int (90 for sm_90), checked to be >= 8.0."""
-    import cupy as cp
-
-    cc = cp.cuda.Device(device_id).compute_capability
-    return check_compute_capability(int(cc[:-1]), int(cc[-1]))
 
 
 def call_vector_width(head_dim: int, *tensors: TensorInfo | None) -> int:
@@ -49,53 +42,36 @@ def _strides3(t: TensorInfo):
     return [_i64(s) for s in t.strides[:3]]
 
 
-#: False launches through CuPy's RawKernel call instead of the packed-argument launch (A/B timing).
-PACKED_LAUNCH = True
+#: Window sides at or beyond this are unbounded (keeps the kernels' int arithmetic far from overflow).
+UNBOUNDED = 1 << 30
+LOG2_E = 1.0 / math.log(2.0)
 
 
-class _Recording(threading.local):
-    recorder = None  # a call_plans.Recorder while record() runs on this thread
-
-
-_recording = _Recording()
-
-
-def record(recorder, run) -> None:
-    """Run `run()` (calls of forward/backward) with `recorder` keeping their launches and scratch
-    requests instead of the GPU (call_plans records a call's launches this way)."""
-    previous, _recording.recorder = _recording.recorder, recorder
-    try:
-        run()
-    finally:
-        _recording.recorder = previous
-
-
-def launch_kernel(config: KernelConfig, device_id: int, stream, grid, args) -> None:
-    if _recording.recorder is not None:
-        _recording.recorder.launch(config, grid, args)
-        return
-    kernel = get_kernel(config, device_id)
-    if PACKED_LAUNCH:
-        packed_launch.launch(kernel, grid, config.threads, config.smem_bytes, stream, args)
-    else:
-        kernel(grid, (config.threads,), args, shared_mem=config.smem_bytes, stream=stream)
-
-
-@functools.cache
-def _slots(config: KernelConfig, device_id: int) -> int:
-    """How many thread blocks of `config` the GPU runs at once (SMs x resident blocks per SM)."""
-    import cupy as cp
-    from cupy_backends.cuda.api import driver
-
-    kernel = get_kernel(config, device_id)
-    with cp.cuda.Device(device_id):
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, config.threads,
-                                                                   config.smem_bytes)
-        return max(1, per_sm) * cp.cuda.Device(device_id).attributes["MultiProcessorCount"]
+def feature_args(features: Features, causal: bool, softmax_scale: float) -> tuple:
+    """(scale_log2, softmax_scale, cu_seqlens_q, cu_seqlens_k, window_left, window_right, softcap,
+    alibi_slopes, alibi_batch_stride, dropout_seed, dropout_offset, dropout_threshold,
+    dropout_rescale, dropout_rng_state) as the kernels take them (CF_VARIANT_PARAMS)."""
+    left = UNBOUNDED if features.window_left < 0 else min(features.window_left, UNBOUNDED)
+    right = UNBOUNDED if features.window_right < 0 else min(features.window_right, UNBOUNDED)
+    if causal:
+        right = 0
+    scale_log2 = LOG2_E if features.modifies_scores else softmax_scale * LOG2_E
+    alibi = features.alibi
+    alibi_ptr = alibi.data_ptr if alibi is not None else 0
+    alibi_batch_stride = alibi.strides[0] if alibi is not None and len(alibi.shape) == 2 else 0
+    rng_state = features.dropout_rng_state
+    return (np.float32(scale_log2), np.float32(softmax_scale),
+            np.uint64(features.cu_seqlens_q.data_ptr if features.varlen else 0),
+            np.uint64(features.cu_seqlens_k.data_ptr if features.varlen else 0),
+            np.int32(left), np.int32(right), np.float32(features.softcap),
+            np.uint64(alibi_ptr), np.int64(alibi_batch_stride), np.int64(features.dropout_seed),
+            np.int64(features.dropout_offset & 0xFFFFFFFF), np.int32(dropout_threshold(features.dropout_p)),
+            np.float32(rescale(features.dropout_p)),
+            np.uint64(rng_state.data_ptr if rng_state is not None else 0))
 
 
 def _main_grid(config: KernelConfig, device_id: int, blocks: int, nheads: int, batch: int) -> tuple[int, int, int]:
-    slots = _slots(config, device_id) if config.grouped_grid else 0
+    slots = launcher.resident_slots(config, device_id) if config.grouped_grid else 0
     return config.grid(blocks, nheads, batch, slots)
 
 
@@ -120,21 +96,12 @@ def forward(q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: T
     if config.grouped_grid and m_blocks > MAX_GRID_YZ:  # grouped grids hold the query blocks in grid y
         raise ValueError(f"q: the causal forward handles at most {MAX_GRID_YZ * config.block_m} query rows per "
                          f"sequence with head dim {shape.head_dim}, got {shape.seqlen_q}")
-    launch_kernel(config, device_id, stream, _main_grid(config, device_id, m_blocks, shape.nheads, shape.batch),
+    grid = _main_grid(config, device_id, m_blocks, shape.nheads, shape.batch)
+    launcher.launch_kernel(config, device_id, stream, grid,
             (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(out.data_ptr), _ptr(lse.data_ptr),
              *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
              *_seqlen_args(shape, features), _i32(shape.head_dim), _i32(shape.kv_group),
-             *features.kernel_args(causal, shape.softmax_scale), _i32(shape.nheads)))
-
-
-def _scratch(cp, shape, dtype=np.float32, zero=False):
-    if _recording.recorder is not None:
-        return None, _recording.recorder.scratch(shape, dtype, zero)
-    array = cp.zeros(shape, dtype=dtype) if zero else cp.empty(shape, dtype=dtype)
-    itemsize = np.dtype(dtype).itemsize
-    info = TensorInfo(tuple(shape), tuple(s // itemsize for s in array.strides), np.dtype(dtype).name, "",
-                      array.data.ptr, itemsize)
-    return array, info
+             *feature_args(features, causal, shape.softmax_scale), _i32(shape.nheads)))
 
 
 def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: TensorInfo,
@@ -144,8 +111,6 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
              tile: tuple[int, int, int] | None = None, fused: bool | None = None) -> None:
     """dq, dk, dv <- gradients. `atomic_dq`/`split`/`arch` (another GPU's tile table)/`tile`/`fused`
     override the plan: tuning and tests only. Varlen tensors come as in `forward`."""
-    import cupy as cp
-
     h, d = shape.nheads, shape.head_dim
     gqa = shape.kv_group > 1
     variant = not features.is_plain(causal)
@@ -170,9 +135,9 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
         b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
     keep = []  # scratch arrays must outlive the launches that use them (stream-ordered pool)
 
-    delta, delta_i = _scratch(cp, (b, h, sq))
+    delta, delta_i = launcher.scratch((b, h, sq))
     keep.append(delta)
-    launch_kernel(plan.dot, device_id, stream, (math.ceil(h * sq * 8 / _ELEMENTWISE_THREADS), b),
+    launcher.launch_kernel(plan.dot, device_id, stream, (math.ceil(h * sq * 8 / _ELEMENTWISE_THREADS), b),
             (_ptr(dout.data_ptr), _ptr(out.data_ptr), _ptr(delta_i.data_ptr), *_strides3(dout), *_strides3(out),
              _i32(sq), _i32(h), _i32(d)))
 
@@ -181,7 +146,7 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
         dq_producer = next(c for c in plan.main if c.accumulates_dq)
         block_m = dq_producer.block_m
         pitch = dq_producer.dq_row_pitch(d)  # the convert kernel reads rows by their stride
-        dq_acc, dq_acc_i = _scratch(cp, (b, h, math.ceil(sq / block_m) * block_m, pitch), zero=True)
+        dq_acc, dq_acc_i = launcher.scratch((b, h, math.ceil(sq / block_m) * block_m, pitch), zero=True)
         keep.append(dq_acc)
         dq_acc_ptr = dq_acc_i.data_ptr
     if gqa:  # per-query-head fp32 dK/dV, summed over each group by the conversion kernel
@@ -189,22 +154,23 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
         # conversion reads all of them, so the scratch starts at zero there.
         zero = features.varlen
         acc_shape = (b, sk, h, fp32_cols(d))  # rows padded to 8 columns (the kernels' fp32_cols)
-        (dk_acc, dk_t), (dv_acc, dv_t) = _scratch(cp, acc_shape, zero=zero), _scratch(cp, acc_shape, zero=zero)
+        (dk_acc, dk_t), (dv_acc, dv_t) = launcher.scratch(acc_shape, zero=zero), launcher.scratch(acc_shape, zero=zero)
         keep += [dk_acc, dv_acc]
         dk_strides = dv_strides = [_i64(0)] * 3  # the kernel knows the contiguous fp32 layout
     else:
         dk_t, dv_t, dk_strides, dv_strides = dk, dv, _strides3(dk), _strides3(dv)
     scale = shape.softmax_scale
-    tail = (*_seqlen_args(shape, features), _i32(d), _i32(shape.kv_group), *features.kernel_args(causal, scale))
+    tail = (*_seqlen_args(shape, features), _i32(d), _i32(shape.kv_group), *feature_args(features, causal, scale))
     for config in plan.main:
         grid = _main_grid(config, device_id, math.ceil(shape.seqlen_k / config.block_n), h, shape.batch)
-        launch_kernel(config, device_id, stream, grid,
+        launcher.launch_kernel(config, device_id, stream, grid,
                 (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(dout.data_ptr), _ptr(lse.data_ptr),
                  _ptr(delta_i.data_ptr), _ptr(dq_acc_ptr), _ptr(dk_t.data_ptr), _ptr(dv_t.data_ptr),
                  *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *dk_strides, *dv_strides, *tail,
                  _i32(h)))
     if plan.dq is not None:
-        launch_kernel(plan.dq, device_id, stream, (math.ceil(shape.seqlen_q / plan.dq.block_m), h, shape.batch),
+        grid = (math.ceil(shape.seqlen_q / plan.dq.block_m), h, shape.batch)
+        launcher.launch_kernel(plan.dq, device_id, stream, grid,
                 (_ptr(q.data_ptr), _ptr(k.data_ptr), _ptr(v.data_ptr), _ptr(dout.data_ptr), _ptr(lse.data_ptr),
                  _ptr(delta_i.data_ptr), _ptr(dq.data_ptr), *_strides3(q), *_strides3(k), *_strides3(v),
                  *_strides3(dout), *_strides3(dq), *tail))
@@ -227,7 +193,7 @@ def _convert(config, device_id, stream, acc: TensorInfo, out: TensorInfo, batch,
     if heads_major:
         row_stride, head_stride = head_stride, row_stride
     rows_per_block = config.threads // (fp32_cols(head_dim) // 4)  # one thread per 4 columns (flash_bwd_prepost.cu)
-    launch_kernel(config, device_id, stream, (math.ceil(seqlen / rows_per_block), nheads, batch),
+    launcher.launch_kernel(config, device_id, stream, (math.ceil(seqlen / rows_per_block), nheads, batch),
             (_ptr(acc.data_ptr), _ptr(out.data_ptr), _i64(batch_stride), _i64(row_stride), _i64(head_stride),
              *_strides3(out), _i32(seqlen), _i32(nheads), _i32(head_dim), _i32(group), _f32(scale),
              _i32(col_swizzle), _i32(int(row_interleave))))

@@ -1,0 +1,72 @@
+"""Kernel families: each one a set of kernels with its tile tables, planners and launches.
+
+The core asks `family_for(arch, problem, direction)` which family runs a call and calls that
+family's entry point for the direction with the problem description, the described device tensors
+and the stream. A family is an object with:
+
+    name: str
+    supports(arch: int, problem: AttentionProblem, direction: str) -> bool
+    forward(problem, q, k, v, out, lse, device_id: int, stream) -> None     # "forward"
+    backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream,
+             deterministic) -> None                                         # "backward"
+    kvcache(cache, tensors, causal, features, interleaved, num_splits, aligns, device_id,
+            stream) -> None, paged_forward(...) -> None                     # "kvcache"
+
+(only the entry points of the directions its `supports` accepts; q, k, ... are described tensors,
+cuflash2.runtime.tensors.TensorInfo, and stream a CuPy stream), plus `all_configs(arch)`, the
+instantiations it compiles. A new family is a subpackage here whose FAMILY object is added to
+FAMILIES (the most preferred first). Entry points launch through cuflash2.runtime.launcher,
+which is what lets cuflash2.core.replay record and replay their launches.
+
+Families are tried in the order of FAMILIES: the first that supports a call runs it. The
+environment variable CUFLASH2_FAMILY (auto, the default, or a family's name) puts one family
+first: it then runs every call it supports, and the others go to the usual choice.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..problem.features import AttentionProblem
+from . import mma_sync
+
+FAMILY_VARIABLE = "CUFLASH2_FAMILY"
+DIRECTIONS = ("forward", "backward", "kvcache")
+#: Registered families, most preferred first.
+FAMILIES: tuple = (mma_sync.FAMILY,)
+
+
+def family_names() -> tuple[str, ...]:
+    return tuple(family.name for family in FAMILIES)
+
+
+def forced_family() -> str:
+    """The family named by CUFLASH2_FAMILY ("auto" when unset or empty)."""
+    value = os.environ.get(FAMILY_VARIABLE, "").strip() or "auto"
+    if value != "auto" and value not in family_names():
+        expected = ", ".join(("auto",) + family_names())
+        raise ValueError(f"{FAMILY_VARIABLE}: expected one of {expected}, got {value!r}")
+    return value
+
+
+def candidates() -> tuple:
+    """The families in the order they are tried (the forced one first)."""
+    forced = forced_family()
+    if forced == "auto":
+        return FAMILIES
+    return tuple(sorted(FAMILIES, key=lambda family: family.name != forced))
+
+
+def family_for(arch: int, problem: AttentionProblem, direction: str):
+    """The family that runs `problem` in `direction` ("forward", "backward" or "kvcache") on a GPU
+    of compute capability `arch` (90 for sm_90)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction: expected one of {', '.join(DIRECTIONS)}, got {direction!r}")
+    for family in candidates():
+        if family.supports(arch, problem, direction):
+            return family
+    raise ValueError(f"arch: no kernel family runs {direction} attention on sm_{arch} (families: "
+                     f"{', '.join(family_names())})")
+
+
+__all__ = ["DIRECTIONS", "FAMILIES", "FAMILY_VARIABLE", "candidates", "family_for", "family_names", "forced_family"]

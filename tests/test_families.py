@@ -1,0 +1,127 @@
+"""Kernel families without a GPU: which family runs a call (families.family_for), the
+CUFLASH2_FAMILY override, the core's forward going through the chosen family's entry point, and
+what `cuflash2 info` says about it."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cuflash2 import families
+from cuflash2.cli.main import main
+from cuflash2.core import ops
+from cuflash2.families import mma_sync
+from cuflash2.problem.features import AttentionProblem, Features
+from cuflash2.problem.tensors import AttentionShape, contiguous_info
+
+SHAPE = AttentionShape(2, 512, 512, 8, 8, 128, "bfloat16", 128 ** -0.5)
+PROBLEM = AttentionProblem(SHAPE, True)
+
+
+class ForwardOnlyFamily:
+    """A family like the Hopper one to come: the plain forward on sm_90 only."""
+
+    name = "forward_only"
+
+    def __init__(self):
+        self.calls = []
+
+    def supports(self, arch, problem, direction):
+        return arch == 90 and direction == "forward" and problem.plain
+
+    def forward(self, problem, q, k, v, out, lse, device_id, stream):
+        self.calls.append((problem, q, out, device_id, stream))
+
+
+@pytest.fixture
+def two_families(monkeypatch):
+    family = ForwardOnlyFamily()
+    monkeypatch.setattr(families, "FAMILIES", (family, mma_sync.FAMILY))
+    monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
+    return family
+
+
+def test_mma_sync_runs_every_direction_by_default(monkeypatch):
+    monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
+    for arch in (80, 86, 89, 90, 100, 120):
+        for direction in families.DIRECTIONS:
+            assert families.family_for(arch, PROBLEM, direction) is mma_sync.FAMILY
+
+
+def test_the_first_family_that_supports_a_call_runs_it(two_families):
+    assert families.family_for(90, PROBLEM, "forward") is two_families
+    assert families.family_for(90, PROBLEM, "backward") is mma_sync.FAMILY
+    assert families.family_for(80, PROBLEM, "forward") is mma_sync.FAMILY
+    windowed = AttentionProblem(SHAPE, True, Features(window_left=64))
+    assert families.family_for(90, windowed, "forward") is mma_sync.FAMILY
+
+
+def test_the_variable_forces_a_family_where_it_supports_the_call(two_families, monkeypatch):
+    monkeypatch.setenv(families.FAMILY_VARIABLE, "mma_sync")
+    assert families.family_for(90, PROBLEM, "forward") is mma_sync.FAMILY
+    monkeypatch.setenv(families.FAMILY_VARIABLE, "forward_only")
+    assert families.family_for(90, PROBLEM, "forward") is two_families
+    assert families.family_for(90, PROBLEM, "backward") is mma_sync.FAMILY  # it has no backward
+    monkeypatch.setenv(families.FAMILY_VARIABLE, "auto")
+    assert families.family_for(90, PROBLEM, "forward") is two_families
+
+
+@pytest.mark.parametrize("value", ["wgmma", "MMA_SYNC", "mma-sync"])
+def test_an_unknown_family_name_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv(families.FAMILY_VARIABLE, value)
+    with pytest.raises(ValueError, match=rf"^CUFLASH2_FAMILY: expected one of auto, mma_sync, got '{value}'$"):
+        families.family_for(90, PROBLEM, "forward")
+
+
+def test_an_unknown_direction_is_refused():
+    with pytest.raises(ValueError, match="direction: expected one of forward, backward, kvcache, got 'sideways'"):
+        families.family_for(90, PROBLEM, "sideways")
+
+
+def test_the_core_forward_calls_the_chosen_family(two_families, monkeypatch):
+    monkeypatch.setattr(ops, "device_arch", lambda device_id: 90)
+    q = contiguous_info((2, 512, 8, 128), "bfloat16", 2, "cuda:0", 1 << 40)
+    lse = contiguous_info((2, 8, 512), "float32", 4, "cuda:0", 1 << 41)
+    ops.forward(PROBLEM, q, q, q, q, lse, 0, "stream")
+    assert two_families.calls == [(PROBLEM, q, q, 0, "stream")]
+
+
+def test_every_family_has_what_the_core_and_the_cli_call():
+    for family in families.FAMILIES:
+        assert isinstance(family.name, str) and family.name != "auto"
+        assert callable(family.supports) and callable(family.all_configs)
+        for direction, entry in (("forward", "forward"), ("backward", "backward"), ("kvcache", "kvcache")):
+            if family.supports(90, PROBLEM, direction):
+                assert callable(getattr(family, entry)), (family.name, entry)
+    assert len(set(families.family_names())) == len(families.FAMILIES)
+
+
+def test_info_names_the_family_of_each_direction(monkeypatch):
+    monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
+    result = CliRunner().invoke(main, ["info", "--arch", "sm_80"])
+    assert result.exit_code == 0, result.output
+    section = result.output.split("Kernel families")[1]
+    assert "on sm_80 (--arch)" in section and "CUFLASH2_FAMILY      auto" in section
+    for direction in families.DIRECTIONS:
+        assert f"{direction:20s} mma_sync" in section
+    facts = json.loads(CliRunner().invoke(main, ["info", "--json", "--arch", "sm_90a"]).output)["families"]
+    assert facts["arch"] == 90 and facts["forward"] == facts["backward"] == facts["kvcache"] == "mma_sync"
+
+
+def test_info_reports_a_bad_family_variable_without_failing(monkeypatch):
+    monkeypatch.setenv(families.FAMILY_VARIABLE, "bogus")
+    result = CliRunner().invoke(main, ["info", "--json"])
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.output)["families"]
+    assert facts["variable"] == "bogus" and "expected one of auto, mma_sync" in facts["forward"]
+
+
+def test_info_refuses_a_bad_arch():
+    result = CliRunner().invoke(main, ["info", "--arch", "sm_75"])
+    assert result.exit_code == 2 and "expected an arch like sm_80" in result.output
+
+
+def test_numpy_calls_need_no_family():
+    q = np.zeros((1, 4, 2, 32), np.float16)
+    assert np.all(__import__("cuflash2").flash_attn_func(q, q, q) == 0)
