@@ -9,6 +9,7 @@ import click
 
 import cuflash2
 from cuflash2.families import mma_sync as cfg
+from cuflash2.families import wgmma
 from cuflash2.runtime.device import CUPY_MISSING
 
 from .bench_cmd import bench_command
@@ -93,10 +94,15 @@ def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ..
              ) -> list[cfg.KernelConfig]:
     """Every instantiation the library can launch for these head dims and dtypes on `arch`, at the
     vector width of contiguous tensors of each head dim (cfg.vector_width)."""
-    unique: dict[cfg.KernelConfig, None] = {}
+    unique: dict = {}
     for dim in dims:
         vec = cfg.vector_width(dim)
         unique.update(dict.fromkeys(cfg.with_vector_width(c, vec) for c in _configs_of_dim(arch, dim, dtypes, kinds, vec)))
+    if "fwd" in kinds:  # the Hopper family's forward (sm_90a; head dims that are multiples of 8)
+        long_names = {"bf16": "bfloat16", "fp16": "float16"}
+        unique.update(dict.fromkeys(wgmma.forward_config(dim, long_names[dtype], causal)
+                                    for dim in dims if dim % 8 == 0 and wgmma.FAMILY.all_configs(arch)
+                                    for dtype in dtypes for causal in (False, True)))
     return sorted(unique, key=lambda c: c.short_id())
 
 

@@ -26,6 +26,8 @@ def _info(shape, dtype="bfloat16", itemsize=2, address=0):
 
 @pytest.fixture
 def h200(monkeypatch):
+    """An sm_90 GPU running the mma.sync family (whose launches these tests record)."""
+    monkeypatch.setenv("CUFLASH2_FAMILY", "mma_sync")
     monkeypatch.setattr(launch, "device_arch", lambda device_id: 90)
     monkeypatch.setattr(ops, "device_arch", lambda device_id: 90)
     monkeypatch.setattr(launcher, "resident_slots", lambda config, device_id: 264)

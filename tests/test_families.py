@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from cuflash2 import families
 from cuflash2.cli.main import main
 from cuflash2.core import ops
-from cuflash2.families import mma_sync
+from cuflash2.families import mma_sync, wgmma
 from cuflash2.problem.features import AttentionProblem, Features
 from cuflash2.problem.tensors import AttentionShape, contiguous_info
 
@@ -20,14 +20,14 @@ PROBLEM = AttentionProblem(SHAPE, True)
 
 
 class ForwardOnlyFamily:
-    """A family like the Hopper one to come: the plain forward on sm_90 only."""
+    """A family like the Hopper one: the plain forward on sm_90 only."""
 
     name = "forward_only"
 
     def __init__(self):
         self.calls = []
 
-    def supports(self, arch, problem, direction):
+    def supports(self, arch, problem, direction, tensors=()):
         return arch == 90 and direction == "forward" and problem.plain
 
     def forward(self, problem, q, k, v, out, lse, device_id, stream):
@@ -42,11 +42,12 @@ def two_families(monkeypatch):
     return family
 
 
-def test_mma_sync_runs_every_direction_by_default(monkeypatch):
+def test_mma_sync_runs_every_direction_by_default_but_the_sm90_forward(monkeypatch):
     monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
     for arch in (80, 86, 89, 90, 100, 120):
         for direction in families.DIRECTIONS:
-            assert families.family_for(arch, PROBLEM, direction) is mma_sync.FAMILY
+            expected = wgmma.FAMILY if (arch, direction) == (90, "forward") else mma_sync.FAMILY
+            assert families.family_for(arch, PROBLEM, direction) is expected
 
 
 def test_the_first_family_that_supports_a_call_runs_it(two_families):
@@ -67,10 +68,10 @@ def test_the_variable_forces_a_family_where_it_supports_the_call(two_families, m
     assert families.family_for(90, PROBLEM, "forward") is two_families
 
 
-@pytest.mark.parametrize("value", ["wgmma", "MMA_SYNC", "mma-sync"])
+@pytest.mark.parametrize("value", ["tma", "MMA_SYNC", "mma-sync"])
 def test_an_unknown_family_name_is_a_clear_error(monkeypatch, value):
     monkeypatch.setenv(families.FAMILY_VARIABLE, value)
-    with pytest.raises(ValueError, match=rf"^CUFLASH2_FAMILY: expected one of auto, mma_sync, got '{value}'$"):
+    with pytest.raises(ValueError, match=rf"^CUFLASH2_FAMILY: expected one of auto, wgmma, mma_sync, got '{value}'$"):
         families.family_for(90, PROBLEM, "forward")
 
 
@@ -106,7 +107,7 @@ def test_info_names_the_family_of_each_direction(monkeypatch):
     for direction in families.DIRECTIONS:
         assert f"{direction:20s} mma_sync" in section
     facts = json.loads(CliRunner().invoke(main, ["info", "--json", "--arch", "sm_90a"]).output)["families"]
-    assert facts["arch"] == 90 and facts["forward"] == facts["backward"] == facts["kvcache"] == "mma_sync"
+    assert facts["arch"] == 90 and facts["forward"] == "wgmma" and facts["backward"] == facts["kvcache"] == "mma_sync"
 
 
 def test_info_reports_a_bad_family_variable_without_failing(monkeypatch):
@@ -114,7 +115,7 @@ def test_info_reports_a_bad_family_variable_without_failing(monkeypatch):
     result = CliRunner().invoke(main, ["info", "--json"])
     assert result.exit_code == 0, result.output
     facts = json.loads(result.output)["families"]
-    assert facts["variable"] == "bogus" and "expected one of auto, mma_sync" in facts["forward"]
+    assert facts["variable"] == "bogus" and "expected one of auto, wgmma, mma_sync" in facts["forward"]
 
 
 def test_info_refuses_a_bad_arch():

@@ -3,8 +3,11 @@ the NVRTC compile of every sm_90a instantiation with ptxas' slowdown warnings tr
 
 import pytest
 
-from cuflash2 import compiler, tensor_maps, wgmma_fwd
-from cuflash2.validate import TensorInfo, contiguous_info
+from cuflash2.families.wgmma import forward as wgmma_fwd
+from cuflash2.problem.features import AttentionProblem
+from cuflash2.runtime import compiler, tensor_maps
+from cuflash2.runtime.tensors import TensorInfo
+from cuflash2.problem.tensors import AttentionShape, contiguous_info
 
 
 def test_tiles_fit_shared_memory_and_cover_every_head_dim():
@@ -26,23 +29,62 @@ def _bshd(b=2, s=256, h=4, d=128, ptr=1 << 20, strides=None):
     return info if strides is None else TensorInfo(info.shape, strides, "bfloat16", "cuda:0", ptr, 2)
 
 
+def _problem(d=128, dtype="bfloat16", causal=False, features=None):
+    from cuflash2.problem.features import PLAIN
+
+    return AttentionProblem(AttentionShape(2, 256, 256, 4, 4, d, dtype, 0.1), causal, features or PLAIN)
+
+
 def test_unsupported_reasons_name_what_is_missing():
+    from cuflash2.problem.features import Features
+
     q = _bshd()
     ok = [("q", q), ("k", q), ("v", q), ("out", q)]
-    assert wgmma_fwd.unsupported_reason(90, "bfloat16", 128, ok, True) == ""
-    assert "9.0" in wgmma_fwd.unsupported_reason(80, "bfloat16", 128, ok, True)
-    assert "float16 or bfloat16" in wgmma_fwd.unsupported_reason(90, "float32", 128, ok, True)
-    assert "multiple of 8" in wgmma_fwd.unsupported_reason(90, "bfloat16", 100, ok, True)
-    assert "multiple of 8" in wgmma_fwd.unsupported_reason(90, "bfloat16", 264, ok, True)
-    assert "plain and causal" in wgmma_fwd.unsupported_reason(90, "bfloat16", 128, ok, False)
+    reason = wgmma_fwd.unsupported_reason
+    assert reason(90, _problem(), ok) == "" and reason(90, _problem(causal=True), ok) == ""
+    assert "9.0" in reason(80, _problem(), ok)
+    assert "9.0" in reason(100, _problem(), ok)
+    assert "float16 or bfloat16" in reason(90, _problem(dtype="float32"), ok)
+    assert "multiple of 8" in reason(90, _problem(d=100), ok)
+    assert "multiple of 8" in reason(90, _problem(d=264), ok)
+    assert "plain and causal" in reason(90, _problem(features=Features(window_left=16, window_right=0)), ok)
+    assert "plain and causal" in reason(90, _problem(features=Features(softcap=30.0)), ok)
     misaligned = ("k", _bshd(ptr=(1 << 20) + 8))
-    assert "k with a 16-byte aligned base" in wgmma_fwd.unsupported_reason(90, "bfloat16", 128, [misaligned], True)
+    assert "k with a 16-byte aligned base" in reason(90, _problem(), [misaligned])
     padded = ("v", _bshd(d=128, strides=(256 * 4 * 136, 4 * 136, 136, 1)))  # rows of 272 bytes: fine
-    assert wgmma_fwd.unsupported_reason(90, "bfloat16", 128, [padded], True) == ""
+    assert reason(90, _problem(), [padded]) == ""
     odd_rows = ("v", _bshd(d=128, strides=(256 * 4 * 130, 4 * 130, 130, 1)))  # 260 bytes: not a multiple of 16
-    assert "v with" in wgmma_fwd.unsupported_reason(90, "bfloat16", 128, [odd_rows], True)
+    assert "v with" in reason(90, _problem(), [odd_rows])
     not_last = ("q", _bshd(strides=(256 * 4 * 128, 4 * 128, 128, 2)))
-    assert "q with" in wgmma_fwd.unsupported_reason(90, "bfloat16", 128, [not_last], True)
+    assert "q with" in reason(90, _problem(), [not_last])
+
+
+def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest():
+    from cuflash2 import families
+    from cuflash2.problem.features import Features
+
+    q = _bshd()
+    tensors = [("q", q), ("k", q), ("v", q), ("out", q)]
+    assert families.family_for(90, _problem(), "forward", tensors).name == "wgmma"
+    assert families.family_for(90, _problem(causal=True), "forward").name == "wgmma"
+    assert families.family_for(80, _problem(), "forward", tensors).name == "mma_sync"
+    assert families.family_for(90, _problem(), "backward", tensors).name == "mma_sync"
+    assert families.family_for(90, _problem(), "kvcache").name == "mma_sync"
+    assert families.family_for(90, _problem(d=59), "forward").name == "mma_sync"
+    window = _problem(features=Features(window_left=8, window_right=8))
+    assert families.family_for(90, window, "forward", tensors).name == "mma_sync"
+    misaligned = [("q", _bshd(ptr=(1 << 20) + 2))]
+    assert families.family_for(90, _problem(), "forward", misaligned).name == "mma_sync"
+
+
+def test_the_variable_forces_mma_sync_on_hopper(monkeypatch):
+    from cuflash2 import families
+
+    monkeypatch.setenv(families.FAMILY_VARIABLE, "mma_sync")
+    assert families.family_for(90, _problem(), "forward").name == "mma_sync"
+    monkeypatch.setenv(families.FAMILY_VARIABLE, "wgmma")
+    assert families.family_for(90, _problem(), "forward").name == "wgmma"
+    assert families.family_for(80, _problem(), "forward").name == "mma_sync"  # wgmma cannot run it
 
 
 def test_single_entry_dims_may_have_any_stride():

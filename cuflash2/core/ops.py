@@ -29,7 +29,9 @@ def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream
         launcher.fill(out, 0, device_id)
         launcher.fill(lse, np.inf, device_id)
         return
-    family_for(device_arch(device_id), problem, "forward").forward(problem, q, k, v, out, lse, device_id, stream)
+    tensors = (("q", q), ("k", k), ("v", v), ("out", out))
+    family = family_for(device_arch(device_id), problem, "forward", tensors)
+    family.forward(problem, q, k, v, out, lse, device_id, stream)
 
 
 def backward(problem: AttentionProblem, deterministic: bool, dout, q, k, v, out, lse, dq, dk, dv, device_id: int,
@@ -56,7 +58,9 @@ def _keep_replay(key, ops, arrays, infos, output_infos, output_dtypes, run, devi
 
     def make_replay():
         recording = replay.record(run, list(infos + output_infos), device_id)
-        if recording is None or not recording.launches:
+        if recording is None:  # launches that cannot be recorded: the key takes the full path
+            return replay.UNREPLAYABLE
+        if not recording.launches:
             return None
         outputs = [(tuple(info.shape), dtype) for info, dtype in zip(output_infos, output_dtypes, strict=True)]
         return replay.Replay(recording, ops, device_id, outputs, aligned_inputs=len(infos))

@@ -69,6 +69,10 @@ class Recorder:
         self.launches: list = []  # (config, grid, args)
         self.regions: list = []  # (nbytes, zero)
         self.first_scratch_index = first_scratch_index
+        self.refused = False  # a launch the recording cannot represent was met
+
+    def refuse(self) -> None:
+        self.refused = True
 
     def launch(self, config, grid, args) -> None:
         self.launches.append((config, grid, args))
@@ -178,6 +182,8 @@ def record(run, infos: list, device_id: int, offsets: tuple | None = None) -> Re
                  for i, (info, offset) in enumerate(zip(infos, offsets, strict=True))]
     recorder = Recorder(len(stand_ins))
     launcher.recording(recorder, lambda: run(*stand_ins))
+    if recorder.refused:
+        return None
     sources = {info.data_ptr: i for i, info in enumerate(stand_ins) if info is not None}
     sources.update((stand_in(len(stand_ins) + i), len(stand_ins) + i) for i in range(len(recorder.regions)))
     launches = recorded_launches(recorder.launches, lambda config: get_kernel(config, device_id), sources)

@@ -5,7 +5,7 @@ family's entry point for the direction with the problem description, the describ
 and the stream. A family is an object with:
 
     name: str
-    supports(arch: int, problem: AttentionProblem, direction: str) -> bool
+    supports(arch: int, problem: AttentionProblem, direction: str, tensors=()) -> bool
     forward(problem, q, k, v, out, lse, device_id: int, stream) -> None     # "forward"
     backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream,
              deterministic) -> None                                         # "backward"
@@ -13,7 +13,9 @@ and the stream. A family is an object with:
             stream) -> None, paged_forward(...) -> None                     # "kvcache"
 
 (only the entry points of the directions its `supports` accepts; q, k, ... are described tensors,
-cuflash2.runtime.tensors.TensorInfo, and stream a CuPy stream), plus `all_configs(arch)`, the
+cuflash2.runtime.tensors.TensorInfo, and stream a CuPy stream; `tensors` lists (name, TensorInfo)
+of the call's 16-bit tensors where the caller has them, for families whose copies need a layout,
+and is empty when only the problem is known, as for `cuflash2 info`), plus `all_configs(arch)`, the
 instantiations it compiles. A new family is a subpackage here whose FAMILY object is added to
 FAMILIES (the most preferred first). Entry points launch through cuflash2.runtime.launcher,
 which is what lets cuflash2.core.replay record and replay their launches.
@@ -28,12 +30,12 @@ from __future__ import annotations
 import os
 
 from ..problem.features import AttentionProblem
-from . import mma_sync
+from . import mma_sync, wgmma
 
 FAMILY_VARIABLE = "CUFLASH2_FAMILY"
 DIRECTIONS = ("forward", "backward", "kvcache")
-#: Registered families, most preferred first.
-FAMILIES: tuple = (mma_sync.FAMILY,)
+#: Registered families, most preferred first: the Hopper family runs what it supports on sm_90.
+FAMILIES: tuple = (wgmma.FAMILY, mma_sync.FAMILY)
 
 
 def family_names() -> tuple[str, ...]:
@@ -57,13 +59,14 @@ def candidates() -> tuple:
     return tuple(sorted(FAMILIES, key=lambda family: family.name != forced))
 
 
-def family_for(arch: int, problem: AttentionProblem, direction: str):
+def family_for(arch: int, problem: AttentionProblem, direction: str, tensors=()):
     """The family that runs `problem` in `direction` ("forward", "backward" or "kvcache") on a GPU
-    of compute capability `arch` (90 for sm_90)."""
+    of compute capability `arch` (90 for sm_90); `tensors`: (name, TensorInfo) of the call's
+    tensors when known."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: expected one of {', '.join(DIRECTIONS)}, got {direction!r}")
     for family in candidates():
-        if family.supports(arch, problem, direction):
+        if family.supports(arch, problem, direction, tensors):
             return family
     raise ValueError(f"arch: no kernel family runs {direction} attention on sm_{arch} (families: "
                      f"{', '.join(family_names())})")

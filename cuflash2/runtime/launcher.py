@@ -97,7 +97,7 @@ PACKED_LAUNCH = True
 
 
 class _Recording(threading.local):
-    recorder = None  # an object with launch(config, grid, args) and scratch(shape, dtype, zero)
+    recorder = None  # an object with launch(config, grid, args), scratch(shape, dtype, zero) and refuse()
 
 
 _recording = _Recording()
@@ -116,6 +116,12 @@ def is_recording() -> bool:
     return _recording.recorder is not None
 
 
+def refuse_recording() -> None:
+    """Tell the recording in progress that this call's launches cannot be recorded (the call then
+    takes the full path every time)."""
+    _recording.recorder.refuse()
+
+
 def launch_kernel(config, device_id: int, stream, grid, args) -> None:
     """Launch the kernel of `config` (compiled on first use) with numpy-scalar arguments."""
     if _recording.recorder is not None:
@@ -126,6 +132,43 @@ def launch_kernel(config, device_id: int, stream, grid, args) -> None:
         launch_packed_kernel(kernel, grid, config.threads, config.smem_bytes, stream, args)
     else:
         kernel(grid, (config.threads,), args, shared_mem=config.smem_bytes, stream=stream)
+
+
+class _ParamStruct(threading.local):
+    """A per-thread buffer for one by-value parameter struct and the one-entry kernelParams array
+    pointing at it (the driver copies the parameters during cuLaunchKernel)."""
+
+    def __init__(self):
+        self.buffers: dict[int, tuple[np.ndarray, int]] = {}
+
+    def get(self, nbytes: int):
+        entry = self.buffers.get(nbytes)
+        if entry is None:
+            values = np.zeros(nbytes, dtype=np.uint8)
+            pointers = np.array([values.ctypes.data], dtype=np.uint64)
+            entry = self.buffers[nbytes] = (values, pointers, int(pointers.ctypes.data))
+        return entry
+
+
+_param_structs = _ParamStruct()
+
+
+def launch_struct_kernel(config, device_id: int, stream, grid, packer: struct.Struct, fields: tuple) -> None:
+    """Launch a kernel whose one parameter is a by-value struct, `fields` packed by `packer` (the
+    kernel's layout). Such launches may embed addresses a recording cannot follow (a TMA tensor
+    map holds its tensor's address), so a recording that meets one is refused: those calls take
+    the full path every time."""
+    if _recording.recorder is not None:
+        refuse_recording()
+        return
+    from cupy_backends.cuda.api import driver
+
+    kernel = get_kernel(config, device_id)
+    values, _, pointers = _param_structs.get(packer.size)
+    packer.pack_into(values, 0, *fields)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    driver.launchKernel(kernel.kernel.ptr, grid[0], grid[1], grid[2], config.threads, 1, 1, config.smem_bytes,
+                        stream.ptr, pointers, 0)
 
 
 def scratch(shape, dtype=np.float32, zero: bool = False):

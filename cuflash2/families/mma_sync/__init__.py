@@ -31,7 +31,7 @@ class MmaSyncFamily:
     name = "mma_sync"
 
     @staticmethod
-    def supports(arch: int, problem: AttentionProblem, direction: str) -> bool:
+    def supports(arch: int, problem: AttentionProblem, direction: str, tensors=()) -> bool:
         return arch >= 80
 
     @staticmethod

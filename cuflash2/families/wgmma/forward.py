@@ -1,22 +1,22 @@
-"""The Hopper forward (kernels_cu/wgmma/flash_fwd_sm90.cu): tiles, what it supports, launch.
+"""The Hopper forward (kernels_cu/wgmma/flash_fwd_sm90.cu): tiles, what it runs, launch.
 
 The kernel is compiled for sm_90a (wgmma and setmaxnreg exist only there) and takes one by-value
-parameter struct holding three TMA tensor maps and the scalars. Everything it does not cover runs
-on the mma.sync kernels.
+parameter struct holding three TMA tensor maps and the scalars. Calls it does not run go to the
+next family (mma_sync).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import os
 import struct
-import threading
 
 import numpy as np
 
-from . import tensor_maps
-from .compiler import get_kernel
+from ...problem.features import AttentionProblem
+from ...runtime import launcher, tensor_maps
+from ...runtime.device import sm_count
 
 SOURCE = "wgmma/flash_fwd_sm90.cu"
 ARCH = 90  # compute capability the sm_90a code runs on (9.0 exactly)
@@ -26,6 +26,8 @@ MAX_HEAD_DIM = 256
 SMEM_LIMIT = 227 * 1024
 DTYPES = ("bfloat16", "float16")
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
+#: CUFLASH2_HANG_CHECK=1 runs the debug build, whose barrier waits trap after 4 s instead of hanging.
+HANG_CHECK_VARIABLE = "CUFLASH2_HANG_CHECK"
 # FwdParams (flash_fwd_sm90.cu): 3 maps, o, lse, tile counter, 5 i64 strides, 9 ints, scale_log2,
 # padding to 512.
 PARAMS = struct.Struct("<128s128s128sQQQqqqqqiiiiiiiiif24x")
@@ -92,17 +94,19 @@ def all_configs() -> list[WgmmaFwdConfig]:
             for causal in (False, True)]
 
 
-def unsupported_reason(arch: int, dtype: str, head_dim: int, tensors, plain: bool) -> str:
-    """Why the wgmma forward cannot run a call ("" when it can): compute capability 9.0, 16-bit
-    inputs, a head dim that is a multiple of 8 up to 256, no score modifier, dropout or varlen, and
-    tensors a TMA map can describe (16-byte aligned base and strides, last dim contiguous)."""
+def unsupported_reason(arch: int, problem: AttentionProblem, tensors=()) -> str:
+    """Why the wgmma forward does not run a call ("" when it does): compute capability 9.0, 16-bit
+    inputs, a head dim that is a multiple of 8 up to 256, plain or causal attention (no window,
+    score modifier, dropout, varlen or KV cache), and tensors a TMA map can describe (16-byte
+    aligned base and strides, contiguous last dim)."""
+    shape = problem.shape
     if arch != ARCH:
         return f"needs compute capability 9.0 (sm_90a), got {arch // 10}.{arch % 10}"
-    if dtype not in DTYPES:
-        return f"needs float16 or bfloat16 inputs, got {dtype}"
-    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        return f"needs a head dim that is a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}"
-    if not plain:
+    if shape.dtype not in DTYPES:
+        return f"needs float16 or bfloat16 inputs, got {shape.dtype}"
+    if shape.head_dim % 8 or shape.head_dim > MAX_HEAD_DIM:
+        return f"needs a head dim that is a multiple of 8 up to {MAX_HEAD_DIM}, got {shape.head_dim}"
+    if not problem.plain or problem.features.varlen:
         return "runs plain and causal attention only (no window, softcap, ALiBi, dropout, varlen or KV cache)"
     for name, t in tensors:
         if t.strides[-1] != 1 or not tensor_maps.strides_fit(t.data_ptr, [s * t.itemsize for s in t.strides[:-1]],
@@ -118,25 +122,6 @@ def _map(t, rows: int, batch: int, seqlen: int, heads: int, head_dim: int) -> by
                                     (t.strides[1] * 2, t.strides[2] * 2, t.strides[0] * 2), (64, rows, 1, 1))
 
 
-@functools.cache
-def _sm_count(device_id: int) -> int:
-    import cupy as cp
-
-    return cp.cuda.Device(device_id).attributes["MultiProcessorCount"]
-
-
-class _ParamBuffer(threading.local):
-    """The packed parameter struct and the one-entry kernelParams array pointing at it (per thread:
-    the driver copies the parameters during cuLaunchKernel, so the buffer is free once it returns)."""
-
-    def __init__(self):
-        self.values = np.zeros(PARAMS.size, dtype=np.uint8)
-        self.pointers = np.array([self.values.ctypes.data], dtype=np.uint64)
-
-
-_params = _ParamBuffer()
-
-
 def section_pairs(shape) -> int:
     """(batch, head) pairs per L2 section of the causal tile order."""
     kv_bytes = shape.seqlen_k * shape.head_dim * 2 * 2
@@ -147,34 +132,36 @@ def tile_count(shape, config: WgmmaFwdConfig) -> int:
     return math.ceil(shape.seqlen_q / config.block_m) * shape.nheads * shape.batch
 
 
-def pack_params(q, k, v, out, lse, tile_counter: int, shape, config: WgmmaFwdConfig, into) -> int:
-    """Writes FwdParams for this call into `into` (tile_counter: the address of a zeroed int32 for
-    causal calls); returns the number of tiles."""
+def param_fields(q, k, v, out, lse, tile_counter: int, shape, config: WgmmaFwdConfig) -> tuple:
+    """FwdParams of a call, in PARAMS order (tile_counter: the address of a zeroed int32 for causal
+    calls, else 0)."""
     b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.head_dim
     m_blocks = math.ceil(sq / config.block_m)
-    tiles = m_blocks * h * b
-    PARAMS.pack_into(
-        into, 0, _map(q, config.block_m, b, sq, h, d), _map(k, config.block_n, b, sk, hk, d),
-        _map(v, config.block_n, b, sk, hk, d), out.data_ptr, lse.data_ptr, tile_counter,
-        out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
-        sq, sk, d, h, shape.kv_group, b, m_blocks, tiles, section_pairs(shape), shape.softmax_scale * math.log2(math.e))
-    return tiles
+    return (_map(q, config.block_m, b, sq, h, d), _map(k, config.block_n, b, sk, hk, d),
+            _map(v, config.block_n, b, sk, hk, d), out.data_ptr, lse.data_ptr, tile_counter,
+            out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
+            sq, sk, d, h, shape.kv_group, b, m_blocks, m_blocks * h * b, section_pairs(shape),
+            shape.softmax_scale * math.log2(math.e))
 
 
-def forward(q, k, v, out, lse, shape, causal: bool, device_id: int, stream,
+def hang_check() -> bool:
+    return os.environ.get(HANG_CHECK_VARIABLE, "") not in ("", "0")
+
+
+def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream,
             config: WgmmaFwdConfig | None = None) -> None:
     """out, lse <- attention(q, k, v) (TensorInfo of (batch, seqlen, heads, head_dim) tensors and of
-    the (batch, heads, seqlen_q) fp32 LSE), queued on `stream` as one persistent launch."""
-    import cupy as cp
-    from cupy_backends.cuda.api import driver
-
-    config = config or forward_config(shape.head_dim, shape.dtype, causal)
+    the (batch, heads, seqlen_q) fp32 LSE), queued on `stream` as one persistent launch: one CTA
+    per SM, at most one per tile."""
+    if launcher.is_recording():  # the tensor maps embed the addresses: a recording cannot follow them
+        launcher.refuse_recording()
+        return
+    shape = problem.shape
+    config = config or forward_config(shape.head_dim, shape.dtype, problem.causal, hang_check())
     tiles = tile_count(shape, config)
     if tiles == 0:
         return
-    counter = cp.zeros(1, dtype=np.int32) if causal else None  # the causal tile schedule's counter
-    pack_params(q, k, v, out, lse, counter.data.ptr if causal else 0, shape, config, _params.values)
-    kernel = get_kernel(config, device_id)
-    driver.launchKernel(kernel.kernel.ptr, min(tiles, _sm_count(device_id)), 1, 1, config.threads, 1, 1,
-                        config.smem_bytes, stream.ptr, int(_params.pointers.ctypes.data), 0)
-    del counter  # the pool reuses it only for work queued after this point on the stream
+    counter, counter_info = launcher.scratch((1,), np.int32, zero=True) if problem.causal else (None, None)
+    fields = param_fields(q, k, v, out, lse, counter_info.data_ptr if counter_info else 0, shape, config)
+    launcher.launch_struct_kernel(config, device_id, stream, (min(tiles, sm_count(device_id)),), PARAMS, fields)
+    del counter  # stream-ordered: reused only by work queued after this point

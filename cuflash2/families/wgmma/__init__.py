@@ -1,0 +1,37 @@
+"""The wgmma kernel family (Hopper, sm_90a): a warp-specialised forward on warpgroup MMAs fed by
+TMA tensor copies (kernels_cu/wgmma/). It runs the dense forward, plain or causal, on compute
+capability 9.0; every other call goes to the next family (mma_sync).
+
+Modules: forward (tiles, what it runs, the launch with its parameter struct).
+"""
+
+from __future__ import annotations
+
+from ...problem.features import AttentionProblem
+from . import forward as forward_kernel
+from .forward import (HANG_CHECK_VARIABLE, WgmmaFwdConfig, all_configs as all_forward_configs, forward_config,
+                      unsupported_reason)
+
+
+class WgmmaFamily:
+    """The dense forward on sm_90 (see forward.unsupported_reason for what it leaves to others)."""
+
+    name = "wgmma"
+
+    @staticmethod
+    def supports(arch: int, problem: AttentionProblem, direction: str, tensors=()) -> bool:
+        return direction == "forward" and not unsupported_reason(arch, problem, tensors)
+
+    @staticmethod
+    def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream) -> None:
+        forward_kernel.forward(problem, q, k, v, out, lse, device_id, stream)
+
+    @staticmethod
+    def all_configs(arch: int) -> list:
+        return all_forward_configs() if arch == forward_kernel.ARCH else []
+
+
+FAMILY = WgmmaFamily()
+
+__all__ = ["FAMILY", "HANG_CHECK_VARIABLE", "WgmmaFamily", "WgmmaFwdConfig", "all_forward_configs", "forward_config",
+           "unsupported_reason"]
