@@ -1,0 +1,154 @@
+"""The Hopper (wgmma) forward on an sm_90 GPU: fp32 references with FA2's rule, which family ran
+each call, the CUFLASH2_FAMILY override, the debug build and the torch path."""
+
+import numpy as np
+import pytest
+
+from attention_ref import stable_seed
+from test_forward_gpu import check_forward, make_inputs
+
+from cuflash2.families import FAMILY_VARIABLE, mma_sync, wgmma
+
+pytestmark = pytest.mark.gpu
+
+
+def _is_hopper() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.Device().compute_capability == "90"
+    except Exception:
+        return False
+
+
+hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the wgmma family runs on compute capability 9.0")
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """Counts the forward entries of each family (the spy calls through)."""
+    monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
+    counts = {"wgmma": 0, "mma_sync": 0}
+    for family in (wgmma.FAMILY, mma_sync.FAMILY):
+        def spy(*args, _forward=family.forward, _name=family.name, **kwargs):
+            counts[_name] += 1
+            return _forward(*args, **kwargs)
+
+        monkeypatch.setattr(family, "forward", spy)
+    return counts
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [32, 64, 72, 96, 128, 160, 192, 256])
+@pytest.mark.parametrize("seqlens", [(1, 239), (113, 203), (203, 113), (1024, 1023)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_hopper_forward_runs_and_matches(ran, head_dim, seqlens, causal, dtype):
+    import cupy as cp
+
+    sq, sk = seqlens
+    q, k, v = make_inputs(cp, 2, sq, sk, 4, 4, head_dim, dtype, stable_seed("wgmma", head_dim, sq, sk, causal, dtype))
+    check_forward(cp, q, k, v, causal)
+    assert ran == {"wgmma": 1, "mma_sync": 0}
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads, heads_kv", [(16, 4), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_and_many_tiles_per_cta(ran, head_dim, heads, heads_kv, causal):
+    """More tiles than SMs (the persistent walk and, causal, the tile counter), grouped heads."""
+    import cupy as cp
+
+    q, k, v = make_inputs(cp, 3, 1500, 1500, heads, heads_kv, head_dim, "bf16",
+                          stable_seed("wgmma-gqa", head_dim, heads, heads_kv, causal))
+    check_forward(cp, q, k, v, causal)
+    assert ran["wgmma"] == 1
+
+
+@hopper_only
+def test_strided_views_and_out(ran):
+    """q, k, v as views of one packed (b, s, 3, h, d) tensor and a given `out` (strides TMA takes)."""
+    import cupy as cp
+
+    import cuflash2
+
+    rng = np.random.default_rng(7)
+    qkv = cp.asarray(rng.standard_normal((2, 300, 3, 4, 128), dtype=np.float32)).astype(cp.float16)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    check_forward(cp, q, k, v, True)
+    out = cp.empty((2, 300, 4, 128), cp.float16)
+    got = cuflash2.flash_attn_func(q, k, v, causal=True, out=out)
+    assert got is out or bool((got == out).all())
+    ref = cuflash2.flash_attn_func(q, k, v, causal=True)
+    assert bool((out == ref).all())  # the same kernel, the same bits
+    assert ran["wgmma"] == 3 and ran["mma_sync"] == 0
+
+
+@hopper_only
+@pytest.mark.parametrize("case", ["window", "softcap", "head_dim_59", "misaligned"])
+def test_what_it_does_not_run_goes_to_mma_sync(ran, case):
+    import cupy as cp
+
+    import cuflash2
+
+    head_dim = 59 if case == "head_dim_59" else 64
+    q, k, v = make_inputs(cp, 2, 200, 200, 4, 4, head_dim, "bf16", stable_seed("wgmma-route", case))
+    kwargs = {"window": {"window_size": (32, 0)}, "softcap": {"softcap": 20.0}}.get(case, {})
+    if case == "misaligned":  # rows 2 bytes off a 16-byte boundary
+        wide = cp.zeros((2, 200, 4, 72), q.dtype)
+        wide[..., 1:65] = q
+        q = wide[..., 1:65]
+    cuflash2.flash_attn_func(q, k, v, causal=True, **kwargs)
+    assert ran == {"wgmma": 0, "mma_sync": 1}
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_variable_compares_both_families_on_one_call(monkeypatch, causal):
+    import cupy as cp
+
+    import cuflash2
+
+    q, k, v = make_inputs(cp, 2, 777, 777, 8, 2, 128, "bf16", stable_seed("wgmma-ab", causal))
+    outputs = {}
+    for name in ("wgmma", "mma_sync"):
+        monkeypatch.setenv(FAMILY_VARIABLE, name)
+        outputs[name] = check_forward(cp, q, k, v, causal)
+    (o1, l1), (o2, l2) = outputs.values()
+    assert float(cp.abs(o1.astype(cp.float32) - o2.astype(cp.float32)).max()) < 2e-2
+    assert float(cp.abs(l1 - l2).max()) < 1e-4
+
+
+@hopper_only
+def test_the_debug_build_with_bounded_waits(monkeypatch, ran):
+    import cupy as cp
+
+    monkeypatch.setenv(wgmma.HANG_CHECK_VARIABLE, "1")
+    q, k, v = make_inputs(cp, 2, 600, 900, 8, 8, 128, "fp16", stable_seed("wgmma-debug"))
+    check_forward(cp, q, k, v, True)
+    assert ran["wgmma"] == 1
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_training_step_with_the_hopper_forward(ran, causal):
+    """torch autograd: the wgmma forward's LSE feeds the mma.sync backward; gradients match those
+    of the mma.sync forward."""
+    torch = pytest.importorskip("torch")
+    import cuflash2
+
+    grads = {}
+    for name in ("wgmma", "mma_sync"):
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        q, k, v = (torch.randn(2, 513, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                   for _ in range(3))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(FAMILY_VARIABLE, name)
+            out = cuflash2.flash_attn_func(q, k, v, causal=causal)
+            out.float().square().sum().backward()
+        grads[name] = (out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float())
+    for a, b in zip(*grads.values()):
+        scale = float(b.abs().max())
+        assert float((a - b).abs().max()) <= 2e-2 * max(1.0, scale)
+    assert ran["wgmma"] >= 1 and ran["mma_sync"] >= 1
