@@ -12,6 +12,13 @@ from cuflash2.problem.options import AttentionOptions
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
+
+@pytest.fixture(autouse=True)
+def _mma_sync(monkeypatch):
+    """The mma.sync family, whose launches replays record (on sm_90 the dense forward would run on
+    the wgmma family, whose calls take the full path: test_wgmma_gpu.py)."""
+    monkeypatch.setenv("CUFLASH2_FAMILY", "mma_sync")
+
 CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim), causal, window, softcap
     ((2, 200, 200, 4, 4, 64), False, (-1, -1), 0.0),
     ((2, 256, 256, 4, 4, 128), True, (-1, -1), 0.0),

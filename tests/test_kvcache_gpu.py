@@ -8,6 +8,7 @@ import pytest
 from attention_ref import stable_seed
 
 import cuflash2
+from cuflash2.core import replay
 from cuflash2.materialize import as_float32
 
 pytestmark = pytest.mark.gpu

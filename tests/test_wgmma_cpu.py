@@ -148,3 +148,58 @@ def test_the_hang_check_build_compiles():
     report = compiler.compile_offline(config, "sm_90")
     assert not report.error, report.error
     assert report.registers > 0
+
+
+def test_a_replay_rebuilds_the_parameter_struct_for_new_addresses(monkeypatch):
+    """The tensor maps hold their tensors' addresses: a recorded wgmma forward keeps how to build
+    its parameter struct, and a replay builds it for the addresses of that call (scratch included)."""
+    import types
+
+    import numpy as np
+
+    from cuflash2.core import replay
+    from cuflash2.runtime import launcher
+
+    def fake_map(dtype, data_ptr, sizes, strides_bytes, box, swizzle=3):
+        return data_ptr.to_bytes(8, "little") + bytes(120)
+
+    monkeypatch.setattr(tensor_maps, "encode_tiled", fake_map)
+    monkeypatch.setattr(replay, "get_kernel", lambda config, device_id: types.SimpleNamespace(
+        kernel=types.SimpleNamespace(ptr=1)))
+    monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 132)
+    sent, memsets = [], []
+    monkeypatch.setattr(launcher, "launch_struct", lambda function, grid, threads, smem, stream, packer, fields:
+                        sent.append((grid, threads, smem, stream, fields)))
+    monkeypatch.setattr(launcher, "memset_async", lambda address, nbytes, stream: memsets.append((address, nbytes)))
+    problem = _problem(causal=True)
+    tensors = [contiguous_info((2, 256, 4, 128), "bfloat16", 2, "cuda:0") for _ in range(4)]
+    tensors.append(contiguous_info((2, 4, 256), "float32", 4, "cuda:0"))
+    recording = replay.record(lambda q, k, v, o, l: wgmma_fwd.forward(problem, q, k, v, o, l, 0, None), tensors, 0)
+    assert recording is not None and len(recording.launches) == 1 and recording.regions == [(4, True)]
+    addresses = [(i + 1) << 32 for i in range(5)]
+    recording.run(addresses, 77, scratch_base=0xABC000)
+    (grid, threads, smem, stream, fields), = sent
+    config = wgmma_fwd.forward_config(128, "bfloat16", True)
+    assert grid == (16, 1, 1) and threads == config.threads and smem == config.smem_bytes and stream == 77
+    maps = [int.from_bytes(m[:8], "little") for m in fields[:3]]
+    assert maps == addresses[:3] and list(fields[3:6]) == [addresses[3], addresses[4], 0xABC000]
+    assert memsets == [(0xABC000, 4)]  # the tile counter starts at zero on every replay
+    assert wgmma_fwd.PARAMS.pack(*fields)  # the fields fit the kernel's layout
+    assert np.int32(fields[13]) == 128  # head_dim
+
+
+def test_replays_are_dropped_when_the_family_variable_changes(monkeypatch):
+    """A replay holds the kernels chosen when it was recorded: setting CUFLASH2_FAMILY to compare
+    the families must not replay the other family's launches."""
+    from cuflash2.core import replay
+    from cuflash2.families import FAMILY_VARIABLE
+
+    monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
+    cache = replay.ReplayCache()
+    cache.keep("call", "a replay")
+    assert cache.lookup("call") == "a replay" and "call" in cache
+    monkeypatch.setenv(FAMILY_VARIABLE, "mma_sync")
+    assert cache.lookup("call") is None and "call" not in cache
+    cache.keep("call", "another")
+    monkeypatch.setenv(wgmma_fwd.HANG_CHECK_VARIABLE, "1")
+    assert "call" not in cache

@@ -26,12 +26,15 @@ hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the wgmma family runs
 
 @pytest.fixture
 def ran(monkeypatch):
-    """Counts the forward entries of each family (the spy calls through)."""
+    """Counts the forward entries of each family that launch (the spy calls through; the dry run
+    that records a call's launches for its replays does not count)."""
+    from cuflash2.runtime import launcher
+
     monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
     counts = {"wgmma": 0, "mma_sync": 0}
     for family in (wgmma.FAMILY, mma_sync.FAMILY):
         def spy(*args, _forward=family.forward, _name=family.name, **kwargs):
-            counts[_name] += 1
+            counts[_name] += not launcher.is_recording()
             return _forward(*args, **kwargs)
 
         monkeypatch.setattr(family, "forward", spy)
@@ -101,6 +104,32 @@ def test_what_it_does_not_run_goes_to_mma_sync(ran, case):
         q = wide[..., 1:65]
     cuflash2.flash_attn_func(q, k, v, causal=True, **kwargs)
     assert ran == {"wgmma": 0, "mma_sync": 1}
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+def test_repeated_calls_replay_with_the_struct_rebuilt(ran, causal):
+    """A repeated call replays its recorded launch with the parameter struct (tensor maps, tile
+    counter) rebuilt for its own tensors: the same bits as the full path, on new inputs too."""
+    import cupy as cp
+
+    import cuflash2
+    from cuflash2.core import replay
+
+    q, k, v = make_inputs(cp, 2, 700, 700, 4, 4, 128, "bf16", stable_seed("wgmma-replay", causal))
+    first = cuflash2.flash_attn_func(q, k, v, causal=causal)
+    assert ran == {"wgmma": 1, "mma_sync": 0}
+    assert any(isinstance(entry, replay.Replay) for entry in replay.CALLS.entries.values())
+    q2, k2, v2 = (x[:, ::-1].copy() for x in (q, k, v))  # other addresses, other values
+    replayed = [cuflash2.flash_attn_func(a, b, c, causal=causal) for a, b, c in ((q, k, v), (q2, k2, v2))]
+    assert ran == {"wgmma": 1, "mma_sync": 0}  # both replayed
+    assert bool((replayed[0] == first).all())
+    replay.FAST_CALLS = False
+    try:
+        full = cuflash2.flash_attn_func(q2, k2, v2, causal=causal)
+    finally:
+        replay.FAST_CALLS = True
+    assert bool((replayed[1] == full).all())
 
 
 @hopper_only

@@ -58,9 +58,7 @@ def _keep_replay(key, ops, arrays, infos, output_infos, output_dtypes, run, devi
 
     def make_replay():
         recording = replay.record(run, list(infos + output_infos), device_id)
-        if recording is None:  # launches that cannot be recorded: the key takes the full path
-            return replay.UNREPLAYABLE
-        if not recording.launches:
+        if recording is None or not recording.launches:
             return None
         outputs = [(tuple(info.shape), dtype) for info, dtype in zip(output_infos, output_dtypes, strict=True)]
         return replay.Replay(recording, ops, device_id, outputs, aligned_inputs=len(infos))

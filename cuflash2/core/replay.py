@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import families
 from ..runtime import launcher
 from ..runtime.compiler import get_kernel
 from ..runtime.tensors import TensorInfo, contiguous_info
@@ -69,13 +70,12 @@ class Recorder:
         self.launches: list = []  # (config, grid, args)
         self.regions: list = []  # (nbytes, zero)
         self.first_scratch_index = first_scratch_index
-        self.refused = False  # a launch the recording cannot represent was met
-
-    def refuse(self) -> None:
-        self.refused = True
 
     def launch(self, config, grid, args) -> None:
         self.launches.append((config, grid, args))
+
+    def launch_struct(self, config, grid, arguments: launcher.StructArguments) -> None:
+        self.launches.append((config, grid, arguments))
 
     def scratch(self, shape, dtype, zero: bool) -> TensorInfo:
         dtype = np.dtype(dtype)
@@ -97,6 +97,14 @@ class RecordedLaunch(NamedTuple):
     slots: tuple
     types: tuple  # the arguments' numpy types (for CuPy's launcher)
     config: object  # the kernel family's config of the kernel
+    struct: launcher.StructArguments | None = None  # a parameter-struct launch: slots index its tensors
+
+
+def struct_fields(step: RecordedLaunch, pointers: list) -> tuple:
+    """The parameter struct of a recorded struct launch rebuilt for this call's buffer addresses."""
+    tensors = [None if info is None else dataclasses.replace(info, data_ptr=pointers[source])
+               for info, source in zip(step.struct.tensors, step.slots)]
+    return step.struct.build(tensors)
 
 
 def fill_arguments(step: RecordedLaunch, pointers: list) -> list:
@@ -114,6 +122,15 @@ def recorded_launches(recorded: list, kernel_of, sources: dict) -> list | None:
     cover). Pure but for kernel_of(config) -> the loaded kernel."""
     launches = []
     for config, grid, args in recorded:
+        if isinstance(args, launcher.StructArguments):
+            if any(info is not None and info.data_ptr not in sources for info in args.tensors):
+                return None
+            kernel = kernel_of(config)
+            slots = tuple(None if info is None else sources[info.data_ptr] for info in args.tensors)
+            launches.append(RecordedLaunch(kernel, kernel.kernel.ptr, tuple(grid) + (1,) * (3 - len(grid)),
+                                           config.threads, config.smem_bytes, args.packer, [], slots, (), config,
+                                           args))
+            continue
         slots = []
         for index, arg in enumerate(args):
             if type(arg) is np.uint64 and int(arg):
@@ -150,6 +167,10 @@ class Recording:
                 launcher.memset_async(scratch_base + offset, nbytes, stream)
         launch_packed = launcher.launch_packed
         for step in self.launches:
+            if step.struct is not None:
+                launcher.launch_struct(step.function, step.grid, step.threads, step.smem_bytes, stream, step.packer,
+                                       struct_fields(step, pointers))
+                continue
             launch_packed(step.function, step.grid, step.threads, step.smem_bytes, stream, step.packer,
                           fill_arguments(step, pointers))
 
@@ -168,6 +189,10 @@ class Recording:
             for offset, nbytes in self.zero_ranges:
                 launcher.memset_async(base + offset, nbytes, stream.ptr)
             for step in self.launches:
+                if step.struct is not None:
+                    launcher.launch_struct(step.function, step.grid, step.threads, step.smem_bytes, stream.ptr,
+                                           step.packer, struct_fields(step, pointers))
+                    continue
                 args = [kind(a) for kind, a in zip(step.types, fill_arguments(step, pointers))]
                 step.kernel(step.grid, (step.threads,), args, shared_mem=step.smem_bytes, stream=stream)
         del scratch  # stream-ordered: reused only by work queued after this point
@@ -182,8 +207,6 @@ def record(run, infos: list, device_id: int, offsets: tuple | None = None) -> Re
                  for i, (info, offset) in enumerate(zip(infos, offsets, strict=True))]
     recorder = Recorder(len(stand_ins))
     launcher.recording(recorder, lambda: run(*stand_ins))
-    if recorder.refused:
-        return None
     sources = {info.data_ptr: i for i, info in enumerate(stand_ins) if info is not None}
     sources.update((stand_in(len(stand_ins) + i), len(stand_ins) + i) for i in range(len(recorder.regions)))
     launches = recorded_launches(recorder.launches, lambda config: get_kernel(config, device_id), sources)
@@ -238,19 +261,30 @@ class ReplayCache:
 
     def __init__(self):
         self.entries: dict = {}
+        self.environment = families.environment()
+
+    def _current(self) -> dict:
+        """The entries, emptied first when the kernel choice's environment changed since they were
+        kept (CUFLASH2_FAMILY set to compare families, say)."""
+        environment = families.environment()
+        if environment != self.environment:
+            self.entries.clear()
+            self.environment = environment
+        return self.entries
 
     def lookup(self, key):
-        entry = None if key is None else self.entries.get(key)
+        entry = None if key is None else self._current().get(key)
         return None if entry is UNREPLAYABLE else entry
 
     def __contains__(self, key) -> bool:
-        return key in self.entries
+        return key in self._current()
 
     def keep(self, key, entry) -> None:
         """Keep `entry` under `key` (None: remember that the key cannot be replayed)."""
-        if len(self.entries) >= _MAX_REPLAYS:
-            del self.entries[next(iter(self.entries))]
-        self.entries[key] = UNREPLAYABLE if entry is None else entry
+        entries = self._current()
+        if len(entries) >= _MAX_REPLAYS:
+            del entries[next(iter(entries))]
+        entries[key] = UNREPLAYABLE if entry is None else entry
 
     def keep_recorded(self, key, make_replay) -> None:
         """Keep make_replay() under `key`: a failure warns (the call's own work is queued already, so

@@ -51,6 +51,12 @@ def forced_family() -> str:
     return value
 
 
+def environment() -> tuple:
+    """The environment variables the choice of kernels depends on, as set now (recorded launches
+    hold the kernels chosen when they were recorded, so replays are dropped when this changes)."""
+    return os.environ.get(FAMILY_VARIABLE, ""), os.environ.get(wgmma.HANG_CHECK_VARIABLE, "")
+
+
 def candidates() -> tuple:
     """The families in the order they are tried (the forced one first)."""
     forced = forced_family()
@@ -72,4 +78,5 @@ def family_for(arch: int, problem: AttentionProblem, direction: str, tensors=())
                      f"{', '.join(family_names())})")
 
 
-__all__ = ["DIRECTIONS", "FAMILIES", "FAMILY_VARIABLE", "candidates", "family_for", "family_names", "forced_family"]
+__all__ = ["DIRECTIONS", "FAMILIES", "FAMILY_VARIABLE", "candidates", "environment", "family_for", "family_names",
+           "forced_family"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import struct
 import threading
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -97,7 +98,8 @@ PACKED_LAUNCH = True
 
 
 class _Recording(threading.local):
-    recorder = None  # an object with launch(config, grid, args), scratch(shape, dtype, zero) and refuse()
+    recorder = None  # an object with launch(config, grid, args), launch_struct(config, grid, arguments)
+    # and scratch(shape, dtype, zero)
 
 
 _recording = _Recording()
@@ -114,12 +116,6 @@ def recording(recorder, run) -> None:
 
 def is_recording() -> bool:
     return _recording.recorder is not None
-
-
-def refuse_recording() -> None:
-    """Tell the recording in progress that this call's launches cannot be recorded (the call then
-    takes the full path every time)."""
-    _recording.recorder.refuse()
 
 
 def launch_kernel(config, device_id: int, stream, grid, args) -> None:
@@ -139,36 +135,49 @@ class _ParamStruct(threading.local):
     pointing at it (the driver copies the parameters during cuLaunchKernel)."""
 
     def __init__(self):
-        self.buffers: dict[int, tuple[np.ndarray, int]] = {}
+        self.buffers: dict[int, tuple[np.ndarray, int, np.ndarray]] = {}
 
     def get(self, nbytes: int):
         entry = self.buffers.get(nbytes)
         if entry is None:
             values = np.zeros(nbytes, dtype=np.uint8)
-            pointers = np.array([values.ctypes.data], dtype=np.uint64)
-            entry = self.buffers[nbytes] = (values, pointers, int(pointers.ctypes.data))
+            pointers = np.array([values.ctypes.data], dtype=np.uint64)  # kept alive in the entry
+            entry = self.buffers[nbytes] = (values, int(pointers.ctypes.data), pointers)
         return entry
 
 
 _param_structs = _ParamStruct()
 
 
-def launch_struct_kernel(config, device_id: int, stream, grid, packer: struct.Struct, fields: tuple) -> None:
-    """Launch a kernel whose one parameter is a by-value struct, `fields` packed by `packer` (the
-    kernel's layout). Such launches may embed addresses a recording cannot follow (a TMA tensor
-    map holds its tensor's address), so a recording that meets one is refused: those calls take
-    the full path every time."""
+class StructArguments(NamedTuple):
+    """The parameter struct of a launch: `build(tensors)` gives its fields in `packer`'s layout from
+    the described tensors whose addresses it holds (inside TMA tensor maps, say), so that a replay
+    rebuilds it for new addresses."""
+
+    packer: struct.Struct
+    tensors: tuple  # TensorInfo or None
+    build: Callable
+
+
+def launch_struct_kernel(config, device_id: int, stream, grid, arguments: StructArguments) -> None:
+    """Launch a kernel whose one parameter is a by-value struct (see StructArguments)."""
     if _recording.recorder is not None:
-        refuse_recording()
+        _recording.recorder.launch_struct(config, grid, arguments)
         return
+    kernel = get_kernel(config, device_id)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    launch_struct(kernel.kernel.ptr, grid, config.threads, config.smem_bytes, stream.ptr, arguments.packer,
+                  arguments.build(arguments.tensors))
+
+
+def launch_struct(function: int, grid: tuple, threads: int, smem_bytes: int, stream: int, packer: struct.Struct,
+                  fields: tuple) -> None:
+    """Launch the CUfunction `function` with its parameter struct's `fields` packed by `packer`."""
     from cupy_backends.cuda.api import driver
 
-    kernel = get_kernel(config, device_id)
-    values, _, pointers = _param_structs.get(packer.size)
+    values, pointers, _ = _param_structs.get(packer.size)
     packer.pack_into(values, 0, *fields)
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    driver.launchKernel(kernel.kernel.ptr, grid[0], grid[1], grid[2], config.threads, 1, 1, config.smem_bytes,
-                        stream.ptr, pointers, 0)
+    driver.launchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream, pointers, 0)
 
 
 def scratch(shape, dtype=np.float32, zero: bool = False):

@@ -53,12 +53,27 @@ class _MapBuffer(threading.local):
 
 
 _buffer = _MapBuffer()
+# Encoded maps by their arguments: a map is a pure function of them, and calls (replays especially)
+# meet the same tensors again (an allocator hands the same addresses back).
+_encoded: dict = {}
+_MAX_ENCODED = 1024
 
 
 def encode_tiled(dtype: str, data_ptr: int, sizes, strides_bytes, box, swizzle: int = SWIZZLE_128B) -> bytes:
     """The 128 bytes of a tiled tensor map. `sizes` lists the dims innermost first (the innermost
     has stride 1 element); `strides_bytes` the strides of the others, in bytes; `box` the copied
     box per dim. A dim of size 1 may have any stride (it is never stepped over)."""
+    key = (dtype, data_ptr, tuple(sizes), tuple(strides_bytes), tuple(box), swizzle)
+    encoded = _encoded.get(key)
+    if encoded is None:
+        encoded = _encode(dtype, data_ptr, sizes, strides_bytes, box, swizzle)
+        if len(_encoded) >= _MAX_ENCODED:
+            del _encoded[next(iter(_encoded))]
+        _encoded[key] = encoded
+    return encoded
+
+
+def _encode(dtype: str, data_ptr: int, sizes, strides_bytes, box, swizzle: int) -> bytes:
     rank = len(sizes)
     if len(strides_bytes) != rank - 1 or len(box) != rank:
         raise ValueError(f"tensor map: {rank} sizes need {rank - 1} strides and {rank} box sides, "

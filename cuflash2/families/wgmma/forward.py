@@ -153,15 +153,17 @@ def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream
     """out, lse <- attention(q, k, v) (TensorInfo of (batch, seqlen, heads, head_dim) tensors and of
     the (batch, heads, seqlen_q) fp32 LSE), queued on `stream` as one persistent launch: one CTA
     per SM, at most one per tile."""
-    if launcher.is_recording():  # the tensor maps embed the addresses: a recording cannot follow them
-        launcher.refuse_recording()
-        return
     shape = problem.shape
     config = config or forward_config(shape.head_dim, shape.dtype, problem.causal, hang_check())
     tiles = tile_count(shape, config)
     if tiles == 0:
         return
     counter, counter_info = launcher.scratch((1,), np.int32, zero=True) if problem.causal else (None, None)
-    fields = param_fields(q, k, v, out, lse, counter_info.data_ptr if counter_info else 0, shape, config)
-    launcher.launch_struct_kernel(config, device_id, stream, (min(tiles, sm_count(device_id)),), PARAMS, fields)
+
+    def build(tensors):  # the maps embed the addresses: replays rebuild the struct for theirs
+        q, k, v, out, lse, counter = tensors
+        return param_fields(q, k, v, out, lse, counter.data_ptr if counter else 0, shape, config)
+
+    arguments = launcher.StructArguments(PARAMS, (q, k, v, out, lse, counter_info), build)
+    launcher.launch_struct_kernel(config, device_id, stream, (min(tiles, sm_count(device_id)),), arguments)
     del counter  # stream-ordered: reused only by work queued after this point
