@@ -70,10 +70,16 @@ def main():
                 body(call)
         return run
 
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa_cudnn(x, y, z):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return sdpa(x, y, z)
 
     rows = {
         "torch SDPA flash forward (no grad)": lambda: sdpa(qd, kd, vd),
+        "torch SDPA cuDNN forward (no grad)": lambda: sdpa_cudnn(qd, kd, vd),
         "cuflash2 torch forward (no grad)": lambda: cuflash2.flash_attn_func(qd, kd, vd, causal=True),
         "cuflash2 torch forward (requires grad)": lambda: cuflash2.flash_attn_func(q, k, v, causal=True),
         "  adapter forward_into (torch, given out/lse)": lambda: adapter_for(qd).forward_into(
@@ -88,6 +94,7 @@ def main():
         "  torch.empty x2": lambda: (torch.empty(q.shape, dtype=q.dtype, device=q.device),
                                      torch.empty((b, h, s), dtype=torch.float32, device=q.device)),
         "torch SDPA flash train step": train(sdpa),
+        "torch SDPA cuDNN train step": train(sdpa_cudnn),
         "cuflash2 torch train step": train(lambda x, y, z: cuflash2.flash_attn_func(x, y, z, causal=True)),
         "cuflash2 cupy flash_attn_backward": lambda: cuflash2.flash_attn_backward(dout_c, qc, kc, vc, out_c, lse_c,
                                                                                   causal=True),
