@@ -70,7 +70,6 @@ def main():
                 body(call)
         return run
 
-
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa_cudnn(x, y, z):
