@@ -125,3 +125,12 @@ def check_fa2_rule(xp, name, got, ref, naive, factor):
     rounding = eps * float(xp.abs(ref).max())
     assert err <= factor * naive_err + rounding + 1e-4, \
         f"{name}: max error {err:.3e} > {factor} x naive {naive_err:.3e} + rounding {rounding:.1e}"
+
+
+def forward_into(q, k, v, out, lse, causal=False):
+    """The forward into given `out` and `lse` (the entry the torch custom op uses), through the
+    arrays' framework adapter."""
+    from cuflash2.frameworks import adapter_for
+    from cuflash2.problem.options import AttentionOptions
+
+    adapter_for(q).forward_into(q, k, v, out, lse, None, AttentionOptions(causal=causal))
