@@ -53,7 +53,7 @@ def normalise_ptxas_log(log: str) -> str:
 def _compile(item):
     from cupy_backends.cuda.libs import nvrtc
 
-    from cuflash2 import compiler
+    from cuflash2.runtime import compiler
 
     config, arch = item
     program = nvrtc.createProgram(compiler.kernel_source(config.source_file), "cuflash2.cu", [], [])
@@ -73,7 +73,8 @@ def _compile(item):
 
 
 def save(out: pathlib.Path, archs: list[int], jobs: int, match: str = "", every: int = 1) -> int:
-    from cuflash2 import compiler, config as cfg
+    from cuflash2.families import mma_sync as cfg
+    from cuflash2.runtime import compiler
 
     print(f"kernel sources: {compiler.kernel_dir()}", flush=True)
     items = []
