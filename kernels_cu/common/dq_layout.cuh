@@ -1,7 +1,7 @@
 // Layout of the fp32 dQ accumulator in global memory: the column and row permutations a backward
 // kernel may stage dQ with (mma_sync/dq_staging.cuh), which flash_bwd_convert_kernel
 // (common/flash_bwd_prepost.cu) undoes when reading the accumulator back. Mirrored by the host
-// (cuflash2/config.py: KernelConfig.dq_column_swizzle, dq_row_interleave).
+// (cuflash2/families/mma_sync/kernel_config.py: KernelConfig.dq_column_swizzle, dq_row_interleave).
 #pragma once
 #include "common/ptx.cuh"
 

@@ -21,9 +21,10 @@ struct alignas(16) Chunk16 {
 // ---- vector width of the call's global accesses ------------------------------------------------
 // Bytes per global load/store of q/k/v/out/dout/dq/dk/dv and the caches: the largest of 16/8/4/2
 // that divides every base pointer, every stride in bytes and head_dim * 2, chosen by the host per
-// call (cuflash2/config.py: vector_width). Each program holds one kernel instantiation, so the width
-// comes as a -D define rather than a template argument: without it the kernels are 16 bytes wide and
-// compile to exactly the code (and symbols) they had before narrower widths existed. Because the
+// call (cuflash2/families/mma_sync/kernel_config.py: vector_width). Each program holds one kernel
+// instantiation, so the width comes as a -D define rather than a template argument: without it the
+// kernels are 16 bytes wide and compile to exactly the code (and symbols) they had before narrower
+// widths existed. Because the
 // width divides head_dim * 2, a piece of kVecBytes never straddles head_dim: it is whole or absent.
 #ifndef CF_VEC_BYTES
 #define CF_VEC_BYTES 16
@@ -33,7 +34,8 @@ static_assert(kVecBytes == 16 || kVecBytes == 8 || kVecBytes == 4 || kVecBytes =
 
 // Columns per row of the kernels' own fp32 scratch (dQ/dK/dV accumulators, split-KV partials): the
 // head dim, rounded up to 8 when it may not be a multiple of 8 (vector widths below 16), so that the
-// scratch keeps its 16-byte rows and paired stores stay inside a row (cuflash2/config.py: fp32_cols).
+// scratch keeps its 16-byte rows and paired stores stay inside a row
+// (cuflash2/families/mma_sync/kernel_config.py: fp32_cols).
 CF_DEVICE int fp32_cols(int head_dim) { return kVecBytes == 16 ? head_dim : (head_dim + 7) & ~7; }
 
 // Generic pointer -> 32-bit shared-state-space address (what ldmatrix / cp.async expect).

@@ -10,7 +10,7 @@
 #include "common/dq_layout.cuh"
 
 // Unswizzled, unpadded rows put the 8 rows of a fragment store on the same banks (8 wavefronts per
-// warp store instead of 2). Two cures, both mirrored by the host (cuflash2/config.py):
+// warp store instead of 2). Two cures, both mirrored by the host (cuflash2/families/mma_sync/kernel_config.py):
 //   kSwizzle: permute columns as swizzled_col says (KernelConfig.dq_column_swizzle, undone by the
 //     convert kernel). Costs registers: a store's offset is no longer an immediate.
 //   kPadBytes: bytes after each row, in shared memory and in the global accumulator alike

@@ -37,7 +37,7 @@ struct FwdTraits {
     // keeps all these values live through the key loop and spills. Each measure costs some speed
     // where it is not needed (docs/design-notes.md, 'Register pressure and spills' and 'Forward
     // tiles': the causal head-dim-256 tile measured 1.06x with its row sums back in registers),
-    // hence the thresholds. KernelConfig.forward_row_sums_bytes (cuflash2/config.py) mirrors
+    // hence the thresholds. KernelConfig.forward_row_sums_bytes (cuflash2/families/mma_sync/kernel_config.py) mirrors
     // kSumsInSmem.
     static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;
     // Tiles of 16 rows per warp whose threads load 12 or more 16-byte K/V chunks per block (head dim

@@ -64,7 +64,7 @@ _FWD_FULL_TILES_SM90 = {256: (64, 64, 4, 2)}
 # non-causal, causal 0.97x, 1.00x, 1.03x (H200, kernels alone; docs/design-notes.md,
 # 'Forward tiles'). The 64x64 tile itself measured 1.03-1.14x the 128x64 8-warp tile.
 _FWD_TILES_SM90 = {160: (128, 128, 8, 2), 192: (128, 128, 8, 2)}
-# Causal grids hold a sequence's query blocks in grid y (at most MAX_GRID_YZ; launch.py raises past
+# Causal grids hold a sequence's query blocks in grid y (at most MAX_GRID_YZ; launches.py raises past
 # it): the longest causal call a 64-row tile could serve. On sm_90 only calls up to FWD_SHORT_SEQLEN
 # get one, so causal calls keep the 8.4M-row limit of 128-row tiles (tests/test_config.py).
 FWD_LONG_CAUSAL_SEQLEN = MAX_GRID_YZ * 64

@@ -69,7 +69,7 @@ class KernelConfig:
     flags: tuple[bool, ...] = ()
     variant: bool = False
     # Bytes per global load/store of the call's tensors (vector_width); below 16 the kernel is built
-    # with narrower pieces (kVecBytes in kernels_cu/ptx.cuh, set by compile_options). Not a template
+    # with narrower pieces (kVecBytes in kernels_cu/common/ptx.cuh, set by compile_options). Not a template
     # argument: the 16-byte kernels keep their names and code.
     vec: int = 16
 
@@ -155,7 +155,7 @@ class KernelConfig:
 
     def dq_column_swizzle(self, head_dim: int) -> int:
         """Column-permutation mask of the fp32 dQ accumulator this kernel fills through shared memory
-        (DqStaging::swizzled_col, kernels_cu/dq_staging.cuh), which the convert kernel undoes: pairs
+        (dq_swizzled_col, kernels_cu/common/dq_layout.cuh), which the convert kernel undoes: pairs
         of columns move by 8 * (row % 4) so that the staging stores avoid bank conflicts. Only for
         head dims that are multiples of 32, and not in the fused kernel (it pads its rows instead:
         dq_row_pad_floats); 0 means no permutation."""
@@ -178,7 +178,7 @@ class KernelConfig:
     @property
     def grouped_grid(self) -> bool:
         """Causal forward and fused backward kernels launch in the grouped order (BlockGrid,
-        kernels_cu/block_mask.cuh): (G, blocks, chunks) over chunks of G (head, batch) groups, so
+        kernels_cu/common/block_mask.cuh): (G, blocks, chunks) over chunks of G (head, batch) groups, so
         that the longest blocks (the forward's last query blocks, the backward's first key blocks)
         of a whole chunk start before any shorter one. Grid y then holds the blocks: at most
         MAX_GRID_YZ."""
@@ -196,7 +196,7 @@ class KernelConfig:
     @property
     def dq_row_interleave(self) -> bool:
         """Whether the fp32 dQ accumulator this kernel fills holds the rows of each group of 8
-        interleaved (row r at 2 (r % 4) + r / 4; dq_staged_row, kernels_cu/dq_staging.cuh), which the
+        interleaved (row r at 2 (r % 4) + r / 4; dq_staged_row, kernels_cu/common/dq_layout.cuh), which the
         convert kernel undoes: the fused kernel's 16-byte row padding alone leaves its staging stores
         2-way conflicted, the interleave spreads them over all banks (FusedBwdTraits::kDqRowInterleave)."""
         return self.kernel == BWD_FUSED and self.dq_row_pad_floats == 4
@@ -228,7 +228,7 @@ class KernelConfig:
 def fp32_cols(head_dim: int) -> int:
     """Columns per row of the kernels' fp32 scratch (dQ/dK/dV accumulators, split-KV partials): the
     head dim rounded up to a multiple of 8, so that scratch rows stay 16-byte aligned for any head
-    dim (fp32_cols in kernels_cu/ptx.cuh; the same as the head dim where the vector width is 16)."""
+    dim (fp32_cols in kernels_cu/common/ptx.cuh; the same as the head dim where the vector width is 16)."""
     return -(-head_dim // 8) * 8
 
 

@@ -193,7 +193,7 @@ def paged_varlen_forward(device_id: int, stream, q: TensorInfo, k_cache: TensorI
                          lse: TensorInfo, block_table: TensorInfo, shape: AttentionShape, page_size: int, causal: bool,
                          features: Features) -> None:
     """out, lse <- attention of packed q against paged K/V: the KV-cache kernel with the varlen
-    sequence ranges (kernels_cu/variant.cuh, kvcache_seq_range). q and out are (total_q, nheads, d),
+    sequence ranges (kernels_cu/common/variant.cuh, kvcache_seq_range). q and out are (total_q, nheads, d),
     lse (nheads, total_q); features carry cu_seqlens_q/k and total_q (validated by the caller,
     shape.seqlen_q/k being the maxima). One launch, no split of the keys: the kernel's split-KV
     partial layout is per fixed-length sequence. Launches nothing when there is no query row."""
