@@ -186,6 +186,13 @@ def test_a_replay_rebuilds_the_parameter_struct_for_new_addresses(monkeypatch):
     assert memsets == [(0xABC000, 4)]  # the tile counter starts at zero on every replay
     assert wgmma_fwd.PARAMS.pack(*fields)  # the fields fit the kernel's layout
     assert np.int32(fields[13]) == 128  # head_dim
+    built = []
+    monkeypatch.setattr(tensor_maps, "encode_tiled", lambda *args, **kwargs: built.append(args) or fake_map(*args))
+    recording.run(addresses, 77, scratch_base=0xABC000)  # the same addresses: the same struct, not rebuilt
+    assert not built and sent[1][4] == fields
+    moved = [a + 256 for a in addresses]
+    recording.run(moved, 77, scratch_base=0xABC000)
+    assert len(built) == 3 and [int.from_bytes(m[:8], "little") for m in sent[2][4][:3]] == moved[:3]
 
 
 def test_replays_are_dropped_when_the_family_variable_changes(monkeypatch):

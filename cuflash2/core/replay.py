@@ -98,13 +98,21 @@ class RecordedLaunch(NamedTuple):
     types: tuple  # the arguments' numpy types (for CuPy's launcher)
     config: object  # the kernel family's config of the kernel
     struct: launcher.StructArguments | None = None  # a parameter-struct launch: slots index its tensors
+    last_struct: list | None = None  # [(addresses, fields)] of its last call
 
 
 def struct_fields(step: RecordedLaunch, pointers: list) -> tuple:
-    """The parameter struct of a recorded struct launch rebuilt for this call's buffer addresses."""
-    tensors = [None if info is None else dataclasses.replace(info, data_ptr=pointers[source])
-               for info, source in zip(step.struct.tensors, step.slots)]
-    return step.struct.build(tensors)
+    """The parameter struct of a recorded struct launch rebuilt for this call's buffer addresses (the
+    last call's fields again when the addresses are the same: a caching allocator hands them back)."""
+    addresses = tuple(None if source is None else pointers[source] for source in step.slots)
+    last = step.last_struct[0]
+    if last is not None and last[0] == addresses:
+        return last[1]
+    tensors = [None if info is None else dataclasses.replace(info, data_ptr=address)
+               for info, address in zip(step.struct.tensors, addresses)]
+    fields = step.struct.build(tensors)
+    step.last_struct[0] = (addresses, fields)  # one assignment: another thread sees the old or the new pair
+    return fields
 
 
 def fill_arguments(step: RecordedLaunch, pointers: list) -> list:
@@ -129,7 +137,7 @@ def recorded_launches(recorded: list, kernel_of, sources: dict) -> list | None:
             slots = tuple(None if info is None else sources[info.data_ptr] for info in args.tensors)
             launches.append(RecordedLaunch(kernel, kernel.kernel.ptr, tuple(grid) + (1,) * (3 - len(grid)),
                                            config.threads, config.smem_bytes, args.packer, [], slots, (), config,
-                                           args))
+                                           args, [None]))
             continue
         slots = []
         for index, arg in enumerate(args):
