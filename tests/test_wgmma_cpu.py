@@ -133,6 +133,9 @@ def test_every_instantiation_compiles_clean_for_sm90a(config):
     report = compiler.compile_offline(config, "sm_90")
     assert not report.error, f"{config.template_name()} failed to compile:\n{report.error}"
     assert report.registers > 0, f"no ptxas resource report for {report.line()}"
+    # setmaxnreg.inc takes registers from the block's own pool: the kernel must start with its full
+    # share (the static_assert in FwdTile budgets against it), or the consumers wait forever.
+    assert report.registers == 65536 // config.threads // 8 * 8, report.line()
     assert not report.slowdown_warnings, f"{report.line()}\n{report.slowdown_warnings}"
     assert report.stack_frame_bytes == 0 and report.spill_store_bytes == 0 and report.spill_load_bytes == 0, \
         report.line()
@@ -210,3 +213,27 @@ def test_replays_are_dropped_when_the_family_variable_changes(monkeypatch):
     cache.keep("call", "another")
     monkeypatch.setenv(wgmma_fwd.HANG_CHECK_VARIABLE, "1")
     assert "call" not in cache
+
+
+def test_scratch_of_a_captured_call_lives_on(monkeypatch):
+    """A CUDA graph replays into the scratch addresses it captured: scratch taken while the stream
+    captures is kept (the tile counter of a causal Hopper forward, the backward's accumulators)."""
+    import types
+
+    import numpy as np
+
+    from cuflash2.runtime import launcher
+
+    capturing = [False]
+    stream = types.SimpleNamespace(is_capturing=lambda: capturing[0])
+    fake_cupy = types.SimpleNamespace(
+        zeros=lambda shape, dtype: types.SimpleNamespace(strides=(4,), data=types.SimpleNamespace(ptr=1 << 20)),
+        empty=lambda shape, dtype: types.SimpleNamespace(strides=(4,), data=types.SimpleNamespace(ptr=1 << 21)),
+        cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+    monkeypatch.setattr(launcher, "import_cupy", lambda: fake_cupy)
+    monkeypatch.setattr(launcher, "_captured_scratch", [])
+    array, info = launcher.scratch((1,), np.int32, zero=True)
+    assert info.data_ptr == 1 << 20 and launcher._captured_scratch == []
+    capturing[0] = True
+    array, info = launcher.scratch((1,), np.int32, zero=True)
+    assert launcher._captured_scratch == [array]

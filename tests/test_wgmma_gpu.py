@@ -70,6 +70,20 @@ def test_gqa_and_many_tiles_per_cta(ran, head_dim, heads, heads_kv, causal):
 
 
 @hopper_only
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_causal_tiles_that_see_no_key(ran, head_dim):
+    """seqlen_q far above seqlen_k, causal: most query tiles see no key (no loads; O = 0 and LSE =
+    +inf) while the tile schedule goes on, with more tiles than SMs."""
+    import cupy as cp
+
+    q, k, v = make_inputs(cp, 8, 2048, 128, 16, 4, head_dim, "bf16", stable_seed("wgmma-empty", head_dim))
+    out, lse = check_forward(cp, q, k, v, True)
+    assert bool((out[:, :2048 - 128].astype(cp.float32) == 0).all())
+    assert bool(cp.isinf(lse[:, :, :2048 - 128]).all())
+    assert ran["wgmma"] == 1
+
+
+@hopper_only
 def test_strided_views_and_out(ran):
     """q, k, v as views of one packed (b, s, 3, h, d) tensor and a given `out` (strides TMA takes)."""
     import cupy as cp

@@ -180,6 +180,11 @@ def launch_struct(function: int, grid: tuple, threads: int, smem_bytes: int, str
     driver.launchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream, pointers, 0)
 
 
+#: Scratch of launches captured into CUDA graphs: each replay of such a graph uses the addresses
+#: captured, so the memory must outlive the call (and any reuse by the pool) for good.
+_captured_scratch: list = []
+
+
 def scratch(shape, dtype=np.float32, zero: bool = False):
     """(array, TensorInfo) of device scratch on the current stream (CuPy's pool, stream-ordered: keep
     the array until the launches that use it are queued). Recorded calls get a stand-in instead."""
@@ -187,6 +192,8 @@ def scratch(shape, dtype=np.float32, zero: bool = False):
         return None, _recording.recorder.scratch(shape, dtype, zero)
     cp = import_cupy()
     array = cp.zeros(shape, dtype=dtype) if zero else cp.empty(shape, dtype=dtype)
+    if cp.cuda.get_current_stream().is_capturing():
+        _captured_scratch.append(array)
     itemsize = np.dtype(dtype).itemsize
     info = TensorInfo(tuple(shape), tuple(s // itemsize for s in array.strides), np.dtype(dtype).name, "",
                       array.data.ptr, itemsize)

@@ -67,8 +67,8 @@ def encode_tiled(dtype: str, data_ptr: int, sizes, strides_bytes, box, swizzle: 
     encoded = _encoded.get(key)
     if encoded is None:
         encoded = _encode(dtype, data_ptr, sizes, strides_bytes, box, swizzle)
-        if len(_encoded) >= _MAX_ENCODED:
-            del _encoded[next(iter(_encoded))]
+        if len(_encoded) >= _MAX_ENCODED:  # the oldest entry (two threads may both evict: no KeyError)
+            _encoded.pop(next(iter(_encoded), None), None)
         _encoded[key] = encoded
     return encoded
 

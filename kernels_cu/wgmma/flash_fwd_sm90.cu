@@ -291,7 +291,9 @@ CF_DEVICE void softmax_update(float (&s)[kN / 2], RowStats& stats, float (&scale
         m = fmaxf(m, shfl_xor(m, 1));
         m = fmaxf(m, shfl_xor(m, 2));
         const float m_scaled = m == -CF_INF ? 0.f : m * scale_log2;  // rows with nothing visible yet
-        scale[r] = fast_exp2(stats.max[r] * scale_log2 - m_scaled);
+        // Exactly 1 when the maximum did not move (the exp2 of a fused multiply-add would be 1 only
+        // up to rounding), so that the caller can skip rescaling O.
+        scale[r] = m == stats.max[r] ? 1.f : fast_exp2(stats.max[r] * scale_log2 - m_scaled);
         stats.max[r] = m;
         float sum = 0.f;
 #pragma unroll
