@@ -1,0 +1,84 @@
+"""A/B of Hopper forward tiles (the wgmma family) beside torch SDPA's cuDNN backend, kernel level.
+
+Times the family's forward entry with a chosen tile (key block rows, consumer warpgroups) on FA2's
+grid points, in one process with the same inputs, so a tile change can be judged before it goes
+into forward_config. Needs an sm_90 GPU and torch. Example:
+
+    python benchmarks/ab_wgmma.py --head-dim 128 --causal --seqlen 2048,16384 --tiles 128x2,176x2
+"""
+
+import argparse
+import dataclasses
+import math
+import statistics
+
+import cupy as cp
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cuflash2.families.wgmma import forward as wgmma
+from cuflash2.problem.features import AttentionProblem
+from cuflash2.problem.tensors import AttentionShape
+from cuflash2.runtime.tensors import TensorInfo
+
+
+def info(t: torch.Tensor) -> TensorInfo:
+    return TensorInfo(tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""), "cuda:0",
+                      t.data_ptr(), t.element_size())
+
+
+def tflops(fn, flops: float, rounds: int = 5) -> float:
+    """Median over rounds of back-to-back calls between CUDA events (enough calls for ~2 ms)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    calls = max(3, min(30, int(2e12 / flops)))
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return flops / statistics.median(times) / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--seqlen", default="512,2048,16384", help="comma list; batch = 16384 // seqlen")
+    parser.add_argument("--tiles", default="", help="comma list of BLOCKNxGROUPS (default: forward_config's)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    args = parser.parse_args()
+    d, dtype = args.head_dim, getattr(torch, args.dtype)
+    default = wgmma.forward_config(d, args.dtype, args.causal)
+    tiles = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",") if t] or [(default.block_n, default.groups)]
+    stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    for s in map(int, args.seqlen.split(",")):
+        b, h = max(1, 16384 // s), 2048 // d
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
+        problem = AttentionProblem(AttentionShape(b, s, s, h, h, d, args.dtype, 1 / math.sqrt(d)), args.causal)
+        infos = [info(x) for x in (q, k, v, out, lse)]
+        flops = 4 * b * h * s * s * d / (2 if args.causal else 1)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
+
+        line = f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: cuDNN {tflops(cudnn, flops):6.1f}"
+        for block_n, groups in tiles:
+            config = dataclasses.replace(default, block_n=block_n, groups=groups)
+            run = lambda: wgmma.forward(problem, *infos, 0, stream, config=config)  # noqa: E731
+            line += f" | n{block_n} g{groups} {tflops(run, flops):6.1f}"
+        print(line + " TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
