@@ -506,6 +506,18 @@ def test_compile_command_covers_every_forward_instantiation(arch):
     assert {c for c in config.all_forward_configs(arch) if c.vec == 16} <= listed
 
 
+def test_compile_command_builds_the_hopper_forward_on_sm90_only():
+    from cuflash2.cli import main
+    from cuflash2.families import wgmma
+
+    listed = main._configs(90, [64, 128, 100], ["bf16", "fp16"], ("fwd",))
+    hopper = {c for c in listed if isinstance(c, wgmma.WgmmaFwdConfig)}
+    assert hopper == {wgmma.forward_config(d, dtype, causal) for d in (64, 128)
+                      for dtype in ("bfloat16", "float16") for causal in (False, True)}  # not 100: not a multiple of 8
+    assert not any(isinstance(c, wgmma.WgmmaFwdConfig) for c in main._configs(80, [64, 128], ["bf16"], ("fwd",)))
+    assert not any(isinstance(c, wgmma.WgmmaFwdConfig) for c in main._configs(90, [128], ["bf16"], ("bwd",)))
+
+
 # Contiguous head dims whose vector width and bucket are config.NARROW_SAMPLES' pairs.
 _NARROW_SAMPLE_DIMS = (59, 90, 100, 111, 191, 255)
 
