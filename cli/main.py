@@ -8,8 +8,8 @@ import sys
 import click
 
 import cuflash2
+from cuflash2 import families
 from cuflash2.families import mma_sync as cfg
-from cuflash2.families import wgmma
 from cuflash2.runtime.device import CUPY_MISSING
 
 from .bench_cmd import bench_command
@@ -90,49 +90,10 @@ def compile_command(arch: str | None, head_dims: str | None, dtypes: str, kernel
         sys.exit(1)
 
 
-def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ...] = ("fwd", "bwd")
-             ) -> list[cfg.KernelConfig]:
-    """Every instantiation the library can launch for these head dims and dtypes on `arch`, at the
-    vector width of contiguous tensors of each head dim (cfg.vector_width)."""
-    unique: dict = {}
-    for dim in dims:
-        vec = cfg.vector_width(dim)
-        unique.update(dict.fromkeys(cfg.with_vector_width(c, vec) for c in _configs_of_dim(arch, dim, dtypes, kinds, vec)))
-    if "fwd" in kinds:  # the Hopper family's forward (sm_90a; head dims that are multiples of 8)
-        long_names = {"bf16": "bfloat16", "fp16": "float16"}
-        unique.update(dict.fromkeys(wgmma.forward_config(dim, long_names[dtype], causal)
-                                    for dim in dims if dim % 8 == 0 and wgmma.FAMILY.all_configs(arch)
-                                    for dtype in dtypes for causal in (False, True)))
-    return sorted(unique, key=lambda c: c.short_id())
-
-
-def _configs_of_dim(arch: int, dim: int, dtypes: list[str], kinds: tuple[str, ...], vec: int = 16
-                    ) -> list[cfg.KernelConfig]:
-    unique: dict[cfg.KernelConfig, None] = {}
-    if vec < 16 and "bwd" in kinds:  # narrow calls run one backward plan (config.narrow_backward_plan)
-        unique.update(dict.fromkeys(c for dtype in dtypes for causal in (False, True) for gqa in (False, True)
-                                    for variant in (False, True)
-                                    for c in cfg.narrow_backward_plan(dim, dtype, causal, arch, gqa, variant,
-                                                                      vec).kernels()))
-        kinds = tuple(k for k in kinds if k != "bwd")
-    for dtype in dtypes:
-        for causal in (False, True):
-            for variant in (False, True):
-                if "fwd" in kinds:
-                    for seqlen in cfg.FWD_SEQLEN_CLASSES:  # the tiles chosen by length too
-                        unique[cfg.forward_config(dim, dtype, causal, arch, variant, seqlen)] = None
-                    for rows in (64, cfg.KVCACHE_SHORT_ROWS, cfg.DECODE_ROWS):
-                        unique[cfg.kvcache_config(dim, dtype, causal, arch, rows)] = None
-                    unique.update(dict.fromkeys(cfg.kvcache_helper_configs(dtype)))
-            if "bwd" in kinds:
-                for options in cfg.backward_plan_options(arch):
-                    for gqa in (False, True):
-                        if options.get("fused") and not cfg.fused_backward_supported(
-                                cfg.head_dim_bucket(dim), arch, causal=causal, gqa=gqa):
-                            continue
-                        plan = cfg.backward_plan(dim, dtype, causal, arch, gqa=gqa, **options)
-                        unique.update(dict.fromkeys(plan.kernels()))
-    return list(unique)
+def _configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ...] = ("fwd", "bwd")) -> list:
+    """Every instantiation the library can launch for these head dims and dtypes on `arch`, over the
+    kernel families (families.compile_configs)."""
+    return families.compile_configs(arch, dims, dtypes, kinds)
 
 
 def _run_all(worker, items, jobs: int):

@@ -91,7 +91,7 @@ def test_the_core_forward_calls_the_chosen_family(two_families, monkeypatch):
 def test_every_family_has_what_the_core_and_the_cli_call():
     for family in families.FAMILIES:
         assert isinstance(family.name, str) and family.name != "auto"
-        assert callable(family.supports) and callable(family.all_configs)
+        assert callable(family.supports) and callable(family.all_configs) and callable(family.compile_configs)
         for direction, entry in (("forward", "forward"), ("backward", "backward"), ("kvcache", "kvcache")):
             if family.supports(90, PROBLEM, direction):
                 assert callable(getattr(family, entry)), (family.name, entry)

@@ -16,9 +16,11 @@ and the stream. A family is an object with:
 cuflash2.runtime.tensors.TensorInfo, and stream a CuPy stream; `tensors` lists (name, TensorInfo)
 of the call's 16-bit tensors where the caller has them, for families whose copies need a layout,
 and is empty when only the problem is known, as for `cuflash2 info`), plus `all_configs(arch)`, the
-instantiations it compiles. A new family is a subpackage here whose FAMILY object is added to
-FAMILIES (the most preferred first). Entry points launch through cuflash2.runtime.launcher,
-which is what lets cuflash2.core.replay record and replay their launches.
+instantiations it compiles, and `compile_configs(arch, dims, dtypes, kinds)`, those `cuflash2
+compile` builds for these head dims, dtypes ("bf16", "fp16") and kinds ("fwd", "bwd"). A new
+family is a subpackage here whose FAMILY object is added to FAMILIES (the most preferred first).
+Entry points launch through cuflash2.runtime.launcher, which is what lets cuflash2.core.replay
+record and replay their launches.
 
 Families are tried in the order of FAMILIES: the first that supports a call runs it. The
 environment variable CUFLASH2_FAMILY (auto, the default, or a family's name) puts one family
@@ -51,6 +53,15 @@ def forced_family() -> str:
     return value
 
 
+def compile_configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ...] = ("fwd", "bwd")) -> list:
+    """Every instantiation the families launch on `arch` for these head dims and dtypes, sorted by
+    name (what `cuflash2 compile` builds)."""
+    unique: dict = {}
+    for family in FAMILIES:
+        unique.update(dict.fromkeys(family.compile_configs(arch, dims, dtypes, kinds)))
+    return sorted(unique, key=lambda config: config.short_id())
+
+
 def environment() -> tuple:
     """The environment variables the choice of kernels depends on, as set now (recorded launches
     hold the kernels chosen when they were recorded, so replays are dropped when this changes)."""
@@ -78,5 +89,5 @@ def family_for(arch: int, problem: AttentionProblem, direction: str, tensors=())
                      f"{', '.join(family_names())})")
 
 
-__all__ = ["DIRECTIONS", "FAMILIES", "FAMILY_VARIABLE", "candidates", "environment", "family_for", "family_names",
-           "forced_family"]
+__all__ = ["DIRECTIONS", "FAMILIES", "FAMILY_VARIABLE", "candidates", "compile_configs", "environment", "family_for",
+           "family_names", "forced_family"]

@@ -15,7 +15,8 @@ from .backward_plans import (FUSED_BWD_DEFAULT_BUCKETS, FUSED_BWD_HEAD_DIMS, Bac
                              backward_plan, backward_plan_options, fused_backward_config, fused_backward_supported,
                              narrow_backward_plan)
 from .catalogue import (NARROW_SAMPLE_DTYPE, NARROW_SAMPLES, all_backward_configs, all_configs, all_forward_configs,
-                        all_kvcache_configs, all_narrow_configs, possible_vector_widths, tuning_backward_configs)
+                        all_kvcache_configs, all_narrow_configs, compile_configs, possible_vector_widths,
+                        tuning_backward_configs)
 from .forward_tiles import FWD_LONG_CAUSAL_SEQLEN, FWD_SEQLEN_CLASSES, FWD_SHORT_SEQLEN, forward_config
 from .kernel_config import (BWD, BWD_CONVERT, BWD_DOT, BWD_DQ, BWD_FUSED, DTYPES, FWD, FWD_COMBINE, FWD_DECODE,
                             FWD_KVCACHE, HEAD_DIM_BUCKETS, MAX_GRID_YZ, MAX_HEAD_DIM, ROTARY_COPY, SMEM_LIMIT_BYTES,
@@ -57,6 +58,7 @@ class MmaSyncFamily:
                                               problem.shape, page_size, problem.causal, problem.features)
 
     all_configs = staticmethod(all_configs)
+    compile_configs = staticmethod(compile_configs)
 
 
 FAMILY = MmaSyncFamily()
@@ -67,6 +69,7 @@ __all__ = ["BWD", "BWD_CONVERT", "BWD_DOT", "BWD_DQ", "BWD_FUSED", "DECODE_ROWS"
            "MAX_GRID_YZ", "MAX_HEAD_DIM", "NARROW_SAMPLES", "NARROW_SAMPLE_DTYPE", "ROTARY_COPY", "SMEM_LIMIT_BYTES",
            "SOURCE_FILE", "VECTOR_WIDTHS", "BackwardPlan", "KernelConfig", "MmaSyncFamily", "all_backward_configs",
            "all_configs", "all_forward_configs", "all_kvcache_configs", "all_narrow_configs", "atomic_dq_supported",
+           "compile_configs",
            "backward_plan", "backward_plan_options", "forward_config", "fp32_cols", "fused_backward_config",
            "fused_backward_supported", "groups_per_chunk", "head_dim_bucket", "kvcache_config",
            "kvcache_helper_configs", "narrow_backward_plan", "narrow_spill_expected", "paged_varlen_config",

@@ -7,8 +7,10 @@ import functools
 
 from .backward_plans import backward_plan, backward_plan_options, fused_backward_supported, narrow_backward_plan
 from .forward_tiles import FWD_SEQLEN_CLASSES, forward_config
-from .kernel_config import DTYPES, HEAD_DIM_BUCKETS, VECTOR_WIDTHS, KernelConfig, with_vector_width
-from .kvcache_tiles import kvcache_config, kvcache_configs_of, kvcache_helper_configs, kvcache_query_rows
+from .kernel_config import (DTYPES, HEAD_DIM_BUCKETS, VECTOR_WIDTHS, KernelConfig, head_dim_bucket, vector_width,
+                            with_vector_width)
+from .kvcache_tiles import (DECODE_ROWS, KVCACHE_SHORT_ROWS, kvcache_config, kvcache_configs_of, kvcache_helper_configs,
+                            kvcache_query_rows)
 
 
 # Narrow vector widths: which of them the enumerators below (and so the compile test) cover. Every
@@ -106,3 +108,43 @@ def _narrow_backward_configs_of(arch: int, bucket: int, vec: int) -> list[Kernel
     return list(dict.fromkeys(c for causal in (False, True) for gqa in (False, True) for variant in (False, True)
                               for c in narrow_backward_plan(bucket, NARROW_SAMPLE_DTYPE, causal, arch, gqa, variant,
                                                             vec).kernels()))
+
+def compile_configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ...] = ("fwd", "bwd")
+                    ) -> list[KernelConfig]:
+    """Every instantiation a call can launch on `arch` for these head dims and dtypes ("bf16",
+    "fp16"), at the vector width of contiguous tensors of each head dim (vector_width): what
+    `cuflash2 compile` builds."""
+    unique: dict = {}
+    for dim in dims:
+        vec = vector_width(dim)
+        unique.update(dict.fromkeys(with_vector_width(c, vec) for c in _configs_of_dim(arch, dim, dtypes, kinds, vec)))
+    return list(unique)
+
+
+def _configs_of_dim(arch: int, dim: int, dtypes: list[str], kinds: tuple[str, ...], vec: int = 16
+                    ) -> list[KernelConfig]:
+    unique: dict[KernelConfig, None] = {}
+    if vec < 16 and "bwd" in kinds:  # narrow calls run one backward plan (config.narrow_backward_plan)
+        unique.update(dict.fromkeys(c for dtype in dtypes for causal in (False, True) for gqa in (False, True)
+                                    for variant in (False, True)
+                                    for c in narrow_backward_plan(dim, dtype, causal, arch, gqa, variant,
+                                                                      vec).kernels()))
+        kinds = tuple(k for k in kinds if k != "bwd")
+    for dtype in dtypes:
+        for causal in (False, True):
+            for variant in (False, True):
+                if "fwd" in kinds:
+                    for seqlen in FWD_SEQLEN_CLASSES:  # the tiles chosen by length too
+                        unique[forward_config(dim, dtype, causal, arch, variant, seqlen)] = None
+                    for rows in (64, KVCACHE_SHORT_ROWS, DECODE_ROWS):
+                        unique[kvcache_config(dim, dtype, causal, arch, rows)] = None
+                    unique.update(dict.fromkeys(kvcache_helper_configs(dtype)))
+            if "bwd" in kinds:
+                for options in backward_plan_options(arch):
+                    for gqa in (False, True):
+                        if options.get("fused") and not fused_backward_supported(
+                                head_dim_bucket(dim), arch, causal=causal, gqa=gqa):
+                            continue
+                        plan = backward_plan(dim, dtype, causal, arch, gqa=gqa, **options)
+                        unique.update(dict.fromkeys(plan.kernels()))
+    return list(unique)

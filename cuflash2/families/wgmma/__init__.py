@@ -30,6 +30,17 @@ class WgmmaFamily:
     def all_configs(arch: int) -> list:
         return all_forward_configs() if arch == forward_kernel.ARCH else []
 
+    @staticmethod
+    def compile_configs(arch: int, dims: list[int], dtypes: list[str], kinds=("fwd", "bwd")) -> list:
+        """The forward instantiations for these head dims (multiples of 8) and dtypes ("bf16",
+        "fp16") on sm_90; none elsewhere or without "fwd" in `kinds`."""
+        if arch != forward_kernel.ARCH or "fwd" not in kinds:
+            return []
+        long_names = {"bf16": "bfloat16", "fp16": "float16"}
+        return list(dict.fromkeys(forward_config(dim, long_names[dtype], causal) for dim in dims
+                                  if dim % 8 == 0 and dim <= forward_kernel.MAX_HEAD_DIM
+                                  for dtype in dtypes for causal in (False, True)))
+
 
 FAMILY = WgmmaFamily()
 
