@@ -17,11 +17,11 @@ import zlib
 import numpy as np
 
 from .materialize import as_float32
+from .problem.tensors import DTYPE_NAMES
 
 FWD_MULTIPLIER = 2.0
 BWD_MULTIPLIER = 3.0
 ABS_FLOOR = 1e-5
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 # --------------------------------------------------------------------------------------------

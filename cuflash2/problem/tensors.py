@@ -14,6 +14,8 @@ from ..runtime.tensors import TensorInfo, contiguous_info
 MAX_HEAD_DIM = 256
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (batch and heads go there)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}  # the kernels' and the CLI's names
+DTYPE_NAMES = {short: name for name, short in SHORT_DTYPE.items()}
 ALIGN_BYTES = 16  # the widest global access; narrower layouts take narrower ones (the kernel family's vector width)
 
 
@@ -142,6 +144,6 @@ def check_lse(info, shape: AttentionShape) -> None:
         raise ValueError(f"softmax_lse: expected a contiguous array, got strides {info.strides}")
 
 
-__all__ = ["ALIGN_BYTES", "MAX_GRID_YZ", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "AttentionShape", "TensorInfo",
+__all__ = ["ALIGN_BYTES", "DTYPE_NAMES", "MAX_GRID_YZ", "MAX_HEAD_DIM", "SHORT_DTYPE", "SUPPORTED_DTYPES", "AttentionShape", "TensorInfo",
            "check_alignment", "check_bool", "check_like_input", "check_lse", "like_name", "check_dtype", "check_grid", "contiguous_info", "expect",
            "softmax_scale_or_default", "validate_out", "validate_qkv"]

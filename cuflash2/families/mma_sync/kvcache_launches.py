@@ -15,12 +15,12 @@ import numpy as np
 
 from ...problem.features import Features, as_batched
 from ...problem.kvcache import KVCacheProblem
-from ...problem.tensors import AttentionShape, TensorInfo
+from ...problem.tensors import SHORT_DTYPE, AttentionShape, TensorInfo
 from ...runtime import launcher
 from ...runtime.device import device_arch, sm_count
 from .kernel_config import FWD_DECODE, KernelConfig, fp32_cols, with_vector_width
 from .kvcache_tiles import kvcache_config, kvcache_helper_configs, paged_varlen_config
-from .launches import SHORT_DTYPE, call_vector_width, feature_args
+from .launches import call_vector_width, feature_args
 
 _THREADS = 256
 _MAX_SPLITS = 128  # the combine kernel's kMaxCombineSplits

@@ -14,14 +14,13 @@ import numpy as np
 
 from ...dropout import dropout_threshold, rescale
 from ...problem.features import PLAIN, Features
-from ...problem.tensors import AttentionShape, TensorInfo
+from ...problem.tensors import SHORT_DTYPE, AttentionShape, TensorInfo
 from ...runtime import launcher
 from ...runtime.device import device_arch
 from .backward_plans import backward_plan, narrow_backward_plan
 from .forward_tiles import forward_config
 from .kernel_config import MAX_GRID_YZ, KernelConfig, fp32_cols, vector_width, with_vector_width
 
-SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 _ELEMENTWISE_THREADS = 256
 _i32, _i64, _f32, _ptr = np.int32, np.int64, np.float32, np.uint64
 

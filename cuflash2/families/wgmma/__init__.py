@@ -8,6 +8,7 @@ Modules: forward (tiles, what it runs, the launch with its parameter struct).
 from __future__ import annotations
 
 from ...problem.features import AttentionProblem
+from ...problem.tensors import DTYPE_NAMES
 from . import forward as forward_kernel
 from .forward import (HANG_CHECK_VARIABLE, WgmmaFwdConfig, all_configs as all_forward_configs, forward_config,
                       unsupported_reason)
@@ -36,8 +37,7 @@ class WgmmaFamily:
         "fp16") on sm_90; none elsewhere or without "fwd" in `kinds`."""
         if arch != forward_kernel.ARCH or "fwd" not in kinds:
             return []
-        long_names = {"bf16": "bfloat16", "fp16": "float16"}
-        return list(dict.fromkeys(forward_config(dim, long_names[dtype], causal) for dim in dims
+        return list(dict.fromkeys(forward_config(dim, DTYPE_NAMES[dtype], causal) for dim in dims
                                   if dim % 8 == 0 and dim <= forward_kernel.MAX_HEAD_DIM
                                   for dtype in dtypes for causal in (False, True)))
 

@@ -15,6 +15,7 @@ import struct
 import numpy as np
 
 from ...problem.features import AttentionProblem
+from ...problem.tensors import SHORT_DTYPE, SUPPORTED_DTYPES
 from ...runtime import launcher, tensor_maps
 from ...runtime.device import sm_count
 
@@ -24,8 +25,6 @@ GROUP_ROWS = 64  # query rows per consumer warpgroup
 STAGES = 2
 MAX_HEAD_DIM = 256
 SMEM_LIMIT = 227 * 1024
-DTYPES = ("bfloat16", "float16")
-SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 #: CUFLASH2_HANG_CHECK=1 runs the debug build, whose barrier waits trap after 4 s instead of hanging.
 HANG_CHECK_VARIABLE = "CUFLASH2_HANG_CHECK"
 # FwdParams (flash_fwd_sm90.cu): 3 maps, o, lse, tile counter, 5 i64 strides, 9 ints, scale_log2,
@@ -90,7 +89,7 @@ def forward_config(head_dim: int, dtype: str, causal: bool, hang_check: bool = F
 
 def all_configs() -> list[WgmmaFwdConfig]:
     """Every instantiation a call can pick (the compile check builds them all)."""
-    return [forward_config(d, dtype, causal) for d in range(16, MAX_HEAD_DIM + 1, 16) for dtype in DTYPES
+    return [forward_config(d, dtype, causal) for d in range(16, MAX_HEAD_DIM + 1, 16) for dtype in SUPPORTED_DTYPES
             for causal in (False, True)]
 
 
@@ -102,7 +101,7 @@ def unsupported_reason(arch: int, problem: AttentionProblem, tensors=()) -> str:
     shape = problem.shape
     if arch != ARCH:
         return f"needs compute capability 9.0 (sm_90a), got {arch // 10}.{arch % 10}"
-    if shape.dtype not in DTYPES:
+    if shape.dtype not in SUPPORTED_DTYPES:
         return f"needs float16 or bfloat16 inputs, got {shape.dtype}"
     if shape.head_dim % 8 or shape.head_dim > MAX_HEAD_DIM:
         return f"needs a head dim that is a multiple of 8 up to {MAX_HEAD_DIM}, got {shape.head_dim}"
