@@ -308,6 +308,16 @@ CF_DEVICE void softmax_update(float (&s)[kN / 2], RowStats& stats, float (&scale
     }
 }
 
+// The scores of key block n folded into the row statistics: masked first when the block has
+// columns some row must not see (the sequence tail, the causal diagonal).
+template <class Tl, bool kCausal>
+CF_DEVICE void fold_block(float (&s)[Tl::kBlockN / 2], int n_block, int m_block, const int (&row)[2], int lane,
+                          RowStats& stats, float (&scale)[2], const FwdParams& p) {
+    if (block_needs_mask<kCausal, Tl::kBlockM, Tl::kBlockN>(n_block, m_block, p))
+        mask_scores<Tl::kBlockN, kCausal>(s, n_block, row, lane, p);
+    softmax_update<Tl::kBlockN>(s, stats, scale, p.scale_log2);
+}
+
 template <int kN, bool kBf16>
 CF_DEVICE void pack_probabilities(const float (&s)[kN / 2], u32 (&pa)[kN / 16][4]) {
 #pragma unroll
@@ -411,9 +421,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
             release(bars.k_empty(k_state.stage()), lane);
             k_state.advance();
             if (n_blocks == 1) release(bars.q_empty(), lane);  // its only Q K^T is done: Q may reload
-            if (block_needs_mask<kCausal, Tl::kBlockM, Tl::kBlockN>(n_blocks - 1, tile.m_block, p))
-                mask_scores<kBlockN, kCausal>(s, n_blocks - 1, row, lane, p);
-            softmax_update<kBlockN>(s, stats, scale, p.scale_log2);
+            fold_block<Tl, kCausal>(s, n_blocks - 1, tile.m_block, row, lane, stats, scale, p);
             pack_probabilities<kBlockN, kBf16>(s, pa);
             // Then: scores of block n while P[n+1] V[n+1] accumulates.
             for (int n = n_blocks - 2; n >= 0; --n) {
@@ -430,15 +438,13 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
                 release(bars.k_empty(k_state.stage()), lane);
                 k_state.advance();
                 if (n == 0) release(bars.q_empty(), lane);  // the tile's last Q K^T is done: Q may reload
-                if (block_needs_mask<kCausal, Tl::kBlockM, Tl::kBlockN>(n, tile.m_block, p))
-                    mask_scores<kBlockN, kCausal>(s, n, row, lane, p);
-                softmax_update<kBlockN>(s, stats, scale, p.scale_log2);
+                fold_block<Tl, kCausal>(s, n, tile.m_block, row, lane, stats, scale, p);
                 wgmma_wait<0>();
                 register_fence(o);
                 register_fence(pa);
                 release(bars.v_empty(v_state.stage()), lane);
                 v_state.advance();
-                // Exact skip: once the row maxima settle, most blocks leave every scale at 1.
+                // Skip (exact): once the row maxima settle, most blocks leave every scale at 1.
                 if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
                 pack_probabilities<kBlockN, kBf16>(s, pa);
             }
