@@ -30,6 +30,18 @@ struct FwdParams {
 static_assert(sizeof(FwdParams) == 512, "FwdParams: host layout (3 maps, 3 pointers, 5 i64, 9 int, 1 float)");
 
 constexpr int kStages = 2;
+
+// The 16-bit element type (common/ptx.cuh: Bf16 or Fp16) of a kBf16 flag.
+template <bool kBf16>
+struct Element16Of {
+    using T = Bf16;
+};
+template <>
+struct Element16Of<false> {
+    using T = Fp16;
+};
+template <bool kBf16>
+using Element16 = typename Element16Of<kBf16>::T;
 enum : int { kTurnBarrier0 = 1 };  // named barrier ids kTurnBarrier0 + group: the MMA turns (0 is __syncthreads)
 
 // The tile shape of one instantiation and the shared-memory layout it implies: the Q tile, kStages
@@ -324,8 +336,7 @@ CF_DEVICE void pack_probabilities(const float (&s)[kN / 2], u32 (&pa)[kN / 16][4
     for (int kk = 0; kk < kN / 16; ++kk)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            pa[kk][i] = kBf16 ? pack_bf16x2(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1])
-                              : pack_f16x2(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+            pa[kk][i] = Element16<kBf16>::pack(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
 }
 
 template <int kRegs>
@@ -355,7 +366,7 @@ CF_DEVICE void store_rows(float (&o)[kRegs], RowStats& stats, const int (&row)[2
             const int col = 8 * j + 2 * (lane % 4);
             if (col < p.head_dim) {
                 const float lo = o[4 * j + 2 * r] * inv, hi = o[4 * j + 2 * r + 1] * inv;
-                *reinterpret_cast<u32*>(out + col) = kBf16 ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi);
+                *reinterpret_cast<u32*>(out + col) = Element16<kBf16>::pack(lo, hi);
             }
         }
         if (lane % 4 == 0)

@@ -114,15 +114,3 @@ template <int kId, int kThreads>
 CF_DEVICE void named_barrier_sync() { asm volatile("bar.sync %0, %1;\n" :: "n"(kId), "n"(kThreads) : "memory"); }
 template <int kId, int kThreads>
 CF_DEVICE void named_barrier_arrive() { asm volatile("bar.arrive %0, %1;\n" :: "n"(kId), "n"(kThreads) : "memory"); }
-
-// Two fp32 -> one packed pair of 16-bit values (low half = lo), the A-operand register format.
-CF_DEVICE u32 pack_bf16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-CF_DEVICE u32 pack_f16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
