@@ -115,6 +115,12 @@ def struct_fields(step: RecordedLaunch, pointers: list) -> tuple:
     return fields
 
 
+def launch_struct_step(step: RecordedLaunch, pointers: list, stream: int) -> None:
+    """Launch a recorded parameter-struct launch for this call's buffers on the raw stream `stream`."""
+    launcher.launch_struct(step.function, step.grid, step.threads, step.smem_bytes, stream, step.packer,
+                           struct_fields(step, pointers))
+
+
 def fill_arguments(step: RecordedLaunch, pointers: list) -> list:
     """The arguments of one recorded launch with this call's buffer addresses filled in. Pure."""
     args = step.template.copy()
@@ -176,8 +182,7 @@ class Recording:
         launch_packed = launcher.launch_packed
         for step in self.launches:
             if step.struct is not None:
-                launcher.launch_struct(step.function, step.grid, step.threads, step.smem_bytes, stream, step.packer,
-                                       struct_fields(step, pointers))
+                launch_struct_step(step, pointers, stream)
                 continue
             launch_packed(step.function, step.grid, step.threads, step.smem_bytes, stream, step.packer,
                           fill_arguments(step, pointers))
@@ -198,8 +203,7 @@ class Recording:
                 launcher.memset_async(base + offset, nbytes, stream.ptr)
             for step in self.launches:
                 if step.struct is not None:
-                    launcher.launch_struct(step.function, step.grid, step.threads, step.smem_bytes, stream.ptr,
-                                           step.packer, struct_fields(step, pointers))
+                    launch_struct_step(step, pointers, stream.ptr)
                     continue
                 args = [kind(a) for kind, a in zip(step.types, fill_arguments(step, pointers))]
                 step.kernel(step.grid, (step.threads,), args, shared_mem=step.smem_bytes, stream=stream)
@@ -347,5 +351,5 @@ def clear() -> None:
 
 
 __all__ = ["CALLS", "FAST_CALLS", "KVCACHE_STEPS", "RECORDINGS", "UNREPLAYABLE", "RecordedLaunch", "Recorder",
-           "Recording", "Replay", "ReplayCache", "clear", "fill_arguments", "is_contiguous", "record",
-           "recorded_launches", "replay", "scratch_layout", "stand_in", "used_as_given"]
+           "Recording", "Replay", "ReplayCache", "clear", "fill_arguments", "is_contiguous", "launch_struct_step",
+           "record", "recorded_launches", "replay", "scratch_layout", "stand_in", "struct_fields", "used_as_given"]
