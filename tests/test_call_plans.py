@@ -230,14 +230,14 @@ class _FakeOps:
         self.allocations.append((what, address))
         return address
 
-    def empty(self, shape, dtype, device_id):
-        return self._allocate(("empty", shape, dtype))
+    def allocator(self, shape, dtype, device_id):
+        return lambda: self._allocate(("empty", shape, dtype))
 
-    def scratch(self, nbytes, device_id):
-        return self._allocate(("scratch", nbytes))
+    def scratch_allocator(self, nbytes, device_id):
+        return lambda: self._allocate(("scratch", nbytes))
 
-    def stream(self, device_id):
-        return 77
+    def stream_getter(self, device_id):
+        return lambda: 77
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import warnings
 from typing import NamedTuple
 
@@ -99,18 +100,27 @@ class RecordedLaunch(NamedTuple):
     config: object  # the kernel family's config of the kernel
     struct: launcher.StructArguments | None = None  # a parameter-struct launch: slots index its tensors
     last_struct: list | None = None  # [(addresses, fields)] of its last call
+    gather: object = None  # pointers -> the addresses of its struct's tensors (address_gatherer)
+
+
+def address_gatherer(slots: tuple):
+    """A function of a call's pointer list giving the addresses of `slots` as a tuple (None for a
+    None slot: an absent tensor)."""
+    if slots and None not in slots:
+        if len(slots) == 1:
+            return lambda pointers: (pointers[slots[0]],)
+        return operator.itemgetter(*slots)
+    return lambda pointers: tuple(None if source is None else pointers[source] for source in slots)
 
 
 def struct_fields(step: RecordedLaunch, pointers: list) -> tuple:
-    """The parameter struct of a recorded struct launch rebuilt for this call's buffer addresses (the
+    """The parameter struct of a recorded struct launch built for this call's buffer addresses (the
     last call's fields again when the addresses are the same: a caching allocator hands them back)."""
-    addresses = tuple(None if source is None else pointers[source] for source in step.slots)
+    addresses = step.gather(pointers)
     last = step.last_struct[0]
     if last is not None and last[0] == addresses:
         return last[1]
-    tensors = [None if info is None else dataclasses.replace(info, data_ptr=address)
-               for info, address in zip(step.struct.tensors, addresses)]
-    fields = step.struct.build(tensors)
+    fields = step.struct.build(addresses)
     step.last_struct[0] = (addresses, fields)  # one assignment: another thread sees the old or the new pair
     return fields
 
@@ -143,7 +153,7 @@ def recorded_launches(recorded: list, kernel_of, sources: dict) -> list | None:
             slots = tuple(None if info is None else sources[info.data_ptr] for info in args.tensors)
             launches.append(RecordedLaunch(kernel, kernel.kernel.ptr, tuple(grid) + (1,) * (3 - len(grid)),
                                            config.threads, config.smem_bytes, args.packer, [], slots, (), config,
-                                           args, [None]))
+                                           args, [None], address_gatherer(slots)))
             continue
         slots = []
         for index, arg in enumerate(args):
@@ -179,10 +189,11 @@ class Recording:
             pointers = pointers + [scratch_base + offset for offset in self.offsets]
             for offset, nbytes in self.zero_ranges:
                 launcher.memset_async(scratch_base + offset, nbytes, stream)
-        launch_packed = launcher.launch_packed
+        launch_packed, launch_struct = launcher.launch_packed, launcher.launch_struct
         for step in self.launches:
             if step.struct is not None:
-                launch_struct_step(step, pointers, stream)
+                launch_struct(step.function, step.grid, step.threads, step.smem_bytes, stream, step.packer,
+                              struct_fields(step, pointers))
                 continue
             launch_packed(step.function, step.grid, step.threads, step.smem_bytes, stream, step.packer,
                           fill_arguments(step, pointers))
@@ -228,9 +239,12 @@ def record(run, infos: list, device_id: int, offsets: tuple | None = None) -> Re
 
 
 class Replay:
-    """A call signature's Recording run without the full path: `ops` are the framework's operations
-    (current_device(), pointer(x), empty(shape, dtype, device_id), scratch(nbytes, device_id),
-    stream(device_id) -> raw handle). Inputs may be None (an absent optional tensor); the first
+    """A call signature's Recording run without the full path. `ops` are the framework's operations:
+    current_device(), pointer(x) -> address, allocator(shape, dtype, device_id) and
+    scratch_allocator(nbytes, device_id) -> a callable that returns a new array each call,
+    stream_getter(device_id) -> a callable that returns the raw handle of the current stream. The
+    callables are made once here, so that a call costs as few Python operations as it can (a replay
+    exists to make a repeated call cheap). Inputs may be None (an absent optional tensor); the first
     `aligned_inputs` must be 16-byte aligned (the kernels' widest copies: the full path takes the
     others, and raises the alignment errors)."""
 
@@ -241,6 +255,9 @@ class Replay:
         self.aligned_inputs = aligned_inputs
         self.single = single  # return the one output itself, not a tuple
         self.calls = 0  # calls run (tests check that a loop takes the replay)
+        self._allocators = [ops.allocator(shape, dtype, device_id) for shape, dtype in outputs]
+        self._scratch = ops.scratch_allocator(recording.scratch_bytes, device_id) if recording.scratch_bytes else None
+        self._stream = ops.stream_getter(device_id)
 
     def __call__(self, inputs: tuple):
         """The outputs of a call on `inputs`; None when the full path must take it."""
@@ -252,12 +269,10 @@ class Replay:
         for p in pointers[:self.aligned_inputs]:
             if p % 16:
                 return None
-        device_id = self.device_id
-        outputs = [ops.empty(shape, dtype, device_id) for shape, dtype in self.outputs]
-        pointers += [pointer(x) for x in outputs]
-        recording = self.recording
-        scratch = ops.scratch(recording.scratch_bytes, device_id) if recording.scratch_bytes else None
-        recording.run(pointers, ops.stream(device_id), 0 if scratch is None else pointer(scratch))
+        outputs = [allocate() for allocate in self._allocators]
+        pointers += map(pointer, outputs)
+        scratch = self._scratch() if self._scratch is not None else None
+        self.recording.run(pointers, self._stream(), 0 if scratch is None else pointer(scratch))
         del scratch  # stream-ordered: reused only by work queued after this point
         self.calls += 1
         return outputs[0] if self.single else tuple(outputs)
@@ -351,5 +366,6 @@ def clear() -> None:
 
 
 __all__ = ["CALLS", "FAST_CALLS", "KVCACHE_STEPS", "RECORDINGS", "UNREPLAYABLE", "RecordedLaunch", "Recorder",
-           "Recording", "Replay", "ReplayCache", "clear", "fill_arguments", "is_contiguous", "launch_struct_step",
-           "record", "recorded_launches", "replay", "scratch_layout", "stand_in", "struct_fields", "used_as_given"]
+           "Recording", "Replay", "ReplayCache", "address_gatherer", "clear", "fill_arguments", "is_contiguous",
+           "launch_struct_step", "record", "recorded_launches", "replay", "scratch_layout", "stand_in",
+           "struct_fields", "used_as_given"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import operator
 import warnings
 
 import numpy as np
@@ -100,7 +102,10 @@ class GpuCall:
 
 
 class CupyOps:
-    """A replay's operations on CuPy arrays (cuflash2.core.replay.Replay)."""
+    """A replay's operations on CuPy arrays (cuflash2.core.replay.Replay): CuPy's pool and current
+    stream, on the current device (a replay runs only there)."""
+
+    pointer = operator.attrgetter("data.ptr")
 
     def __init__(self):
         cp = import_cupy()
@@ -114,24 +119,21 @@ class CupyOps:
         return x.shape, x.strides, x.dtype, x.data.device_id
 
     @staticmethod
-    def pointer(x) -> int:
-        return x.data.ptr
-
-    @staticmethod
     def strides_in_elements(x) -> tuple:
         return tuple(s // x.itemsize for s in x.strides)
 
-    def stream(self, device_id: int) -> int:
-        return self.cp.cuda.get_current_stream().ptr
+    def stream_getter(self, device_id: int):
+        get_current_stream = self.cp.cuda.get_current_stream
+        return lambda: get_current_stream().ptr
 
-    def empty(self, shape, dtype, device_id: int):
-        return self.cp.empty(shape, dtype=dtype)
+    def allocator(self, shape, dtype, device_id: int):
+        return functools.partial(self.cp.empty, shape, dtype=dtype)
 
-    def scratch(self, nbytes: int, device_id: int):
-        return self.cp.empty(nbytes, dtype=np.uint8)
+    def scratch_allocator(self, nbytes: int, device_id: int):
+        return functools.partial(self.cp.empty, nbytes, dtype=np.uint8)
 
 
-_OPTION_TYPES = (type(None), bool, int, float)
+_OPTION_TYPES = frozenset((type(None), bool, int, float))
 
 
 def _plain_option(value) -> bool:
@@ -146,8 +148,11 @@ def call_key(framework: str, replay_ops, arrays: tuple, options: tuple):
     """The replay key of a call (None when the call cannot take a replay): the framework, each array
     argument's shape, strides, dtype and device, and the options with their types (so that
     num_splits=True, which the full path rejects, never matches num_splits=1)."""
-    if replay_ops is None or not all(map(_plain_option, options)):
+    if replay_ops is None:
         return None
+    for value in options:  # _plain_option, inlined: this runs on every call
+        if type(value) not in _OPTION_TYPES and not (type(value) is tuple and _plain_option(value)):
+            return None
     array_type, signature = replay_ops.array_type, replay_ops.signature
     sig = []
     for x in arrays:

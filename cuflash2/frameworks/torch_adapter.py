@@ -9,12 +9,16 @@ torch.compile(fullgraph=True) can trace through them.
 Eager calls (not under torch.compile) take a torch.autograd.Function around the same
 implementations instead: the custom-op dispatch with registered autograd costs about 170-180 us of
 Python per differentiable call, the Function 25-34 us (benchmarks/bench_torch_dispatch.py, CPU), which
-at short sequences is more than the kernels take. Both paths run the same code on the same stream.
+at short sequences is more than the kernels take; eager calls autograd need not record (no input
+requires grad, or grad mode is off) call the implementations directly. All paths run the same code
+on the same stream.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 
 import numpy as np
 import torch
@@ -62,11 +66,12 @@ class TorchCall(GpuCall):
 class TorchOps:
     """A replay's operations on torch tensors (torch's allocator, torch's stream)."""
 
+    pointer = operator.methodcaller("data_ptr")
+
     def __init__(self):
         self.array_type = torch.Tensor
         self.current_device = import_cupy().cuda.runtime.getDevice  # the CUDA runtime's, shared with torch
         self.float32 = torch.float32
-        self._devices: dict = {}
         # The current stream as a raw handle without building a Stream object (what compiled torch
         # code uses); the public call is the fallback.
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -77,27 +82,19 @@ class TorchOps:
         return x.shape, x.stride(), x.dtype, x.device
 
     @staticmethod
-    def pointer(x) -> int:
-        return x.data_ptr()
-
-    @staticmethod
     def strides_in_elements(x) -> tuple:
         return tuple(x.stride())
 
-    def stream(self, device_id: int) -> int:
-        return self._raw_stream(device_id)
+    def stream_getter(self, device_id: int):
+        return functools.partial(self._raw_stream, device_id)
 
-    def _device(self, device_id: int):
-        device = self._devices.get(device_id)
-        if device is None:
-            device = self._devices[device_id] = torch.device("cuda", device_id)
-        return device
+    @staticmethod
+    def allocator(shape, dtype, device_id: int):
+        return functools.partial(torch.empty, shape, dtype=dtype, device=torch.device("cuda", device_id))
 
-    def empty(self, shape, dtype, device_id: int):
-        return torch.empty(shape, dtype=dtype, device=self._device(device_id))
-
-    def scratch(self, nbytes: int, device_id: int):
-        return torch.empty(nbytes, dtype=torch.uint8, device=self._device(device_id))
+    @staticmethod
+    def scratch_allocator(nbytes: int, device_id: int):
+        return functools.partial(torch.empty, nbytes, dtype=torch.uint8, device=torch.device("cuda", device_id))
 
 
 _torch_allocators: dict[int, object] = {}
@@ -180,10 +177,19 @@ def _options(softmax_scale, causal, window_left, window_right, softcap, determin
     return AttentionOptions(softmax_scale, causal, (window_left, window_right), softcap, deterministic, dropout)
 
 
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
 def _compiling() -> bool:
     """Whether torch.compile is tracing this call (then the custom ops, which it can see through)."""
-    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(is_compiling and is_compiling())
+    return bool(_is_compiling and _is_compiling())
+
+
+def _needs_graph(*tensors) -> bool:
+    """Whether autograd must record the call: grad mode on and one of q, k, v requires grad. Other
+    eager calls (inference, torch.no_grad) skip the autograd.Function and its host cost."""
+    return torch.is_grad_enabled() and (tensors[0].requires_grad or tensors[1].requires_grad or
+                                        tensors[2].requires_grad)
 
 
 try:
@@ -278,10 +284,11 @@ _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The eager-mode twin of the custom op above: same implementation, same saved tensors."""
+    """The eager-mode twin of the custom op above: same implementation, same saved tensors. The
+    options come as one tuple (Function.apply walks every argument, at a cost per argument)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *options):
+    def forward(ctx, q, k, v, options):
         out, lse = _fwd_impl(q, k, v, *options)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -293,7 +300,7 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, *ctx.options)
-        return (dq, dk, dv) + (None,) * len(ctx.options)
+        return dq, dk, dv, None
 
 
 def forward(q, k, v, options: AttentionOptions, alibi_slopes, out=None, seed_given: bool = True):
@@ -305,10 +312,14 @@ def forward(q, k, v, options: AttentionOptions, alibi_slopes, out=None, seed_giv
         raise TypeError(f"alibi_slopes: expected a torch tensor like q, got {type(alibi_slopes).__name__}")
     dropout = _with_rng_state(options.dropout, seed_given, q.device)
     window = options.window
-    op = _flash_attn_fwd if _use_custom_op(q) else _EagerAttention.apply
-    result, lse = op(q, k, v, scale, bool(options.causal), int(window[0]), int(window[1]), float(options.softcap),
-                     alibi_slopes, float(dropout.p), int(dropout.seed), bool(options.deterministic),
-                     dropout.rng_state)
+    flat = (scale, bool(options.causal), int(window[0]), int(window[1]), float(options.softcap), alibi_slopes,
+            float(dropout.p), int(dropout.seed), bool(options.deterministic), dropout.rng_state)
+    if _use_custom_op(q):
+        result, lse = _flash_attn_fwd(q, k, v, *flat)
+    elif _needs_graph(q, k, v):
+        result, lse = _EagerAttention.apply(q, k, v, flat)
+    else:
+        result, lse = _fwd_impl(q, k, v, *flat)
     if out is not None:
         out.copy_(result)
         result = out
@@ -399,7 +410,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
     """The eager-mode twin of the varlen custom op."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, options):
         out, lse = _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
@@ -411,7 +422,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         dq, dk, dv = _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
-        return (dq, dk, dv, None, None) + (None,) * len(ctx.options)
+        return dq, dk, dv, None, None, None
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options: AttentionOptions,
@@ -424,10 +435,14 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor like q, got {type(x).__name__}")
     dropout = _with_rng_state(options.dropout, seed_given, q.device)
-    op = _flash_attn_varlen_fwd if _use_custom_op(q) else _EagerVarlenAttention.apply
-    result, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
-                     int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout.p), int(dropout.seed),
-                     bool(deterministic), dropout.rng_state)
+    flat = (int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
+            alibi_slopes, float(dropout.p), int(dropout.seed), bool(deterministic), dropout.rng_state)
+    if _use_custom_op(q):
+        result, lse = _flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *flat)
+    elif _needs_graph(q, k, v):
+        result, lse = _EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, flat)
+    else:
+        result, lse = _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *flat)
     if out is not None:
         out.copy_(result)
         result = out

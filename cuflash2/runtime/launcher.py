@@ -57,6 +57,28 @@ def pack_slots(args: tuple, into=None) -> bytearray:
     return into
 
 
+# CuPy's driver and runtime bindings, imported on the first launch (the package imports without
+# CuPy) and kept here so that a launch does not go through the import machinery.
+_driver = None
+_runtime = None
+
+
+def _load_driver():
+    global _driver
+    from cupy_backends.cuda.api import driver
+
+    _driver = driver
+    return driver
+
+
+def _load_runtime():
+    global _runtime
+    from cupy.cuda import runtime
+
+    _runtime = runtime
+    return runtime
+
+
 class _ThreadSlots(threading.local):
     """Per-thread slot buffers by argument count: (values, array of slot addresses). The driver
     copies the parameters during cuLaunchKernel, so a buffer is free again once the call returns."""
@@ -86,11 +108,10 @@ def launch_packed(function: int, grid: tuple, threads: int, smem_bytes: int, str
                   args) -> None:
     """Launch the CUfunction `function` with a 3-d grid on the raw stream handle `stream`, the
     arguments packed by `packer` (see slot_format; Python scalars or the numpy types it was made for)."""
-    from cupy_backends.cuda.api import driver
-
     values, _, addresses_ptr = _slots.get(len(args))
     packer.pack_into(values, 0, *args)
-    driver.launchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream, addresses_ptr, 0)
+    (_driver or _load_driver()).launchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream,
+                                             addresses_ptr, 0)
 
 
 #: False launches through CuPy's RawKernel call instead of the packed-argument launch (A/B timing).
@@ -150,13 +171,18 @@ _param_structs = _ParamStruct()
 
 
 class StructArguments(NamedTuple):
-    """The parameter struct of a launch: `build(tensors)` gives its fields in `packer`'s layout from
-    the described tensors whose addresses it holds (inside TMA tensor maps, say), so that a replay
-    rebuilds it for new addresses."""
+    """The parameter struct of a launch: `build(addresses)` gives its fields in `packer`'s layout for
+    the described tensors placed at `addresses` (one per entry of `tensors`, None for an absent one),
+    so that a replay rebuilds it for new addresses (held inside TMA tensor maps, say) without
+    describing the tensors again."""
 
     packer: struct.Struct
     tensors: tuple  # TensorInfo or None
     build: Callable
+
+    def fields(self) -> tuple:
+        """The fields for the described tensors where they are."""
+        return self.build(tuple(None if t is None else t.data_ptr for t in self.tensors))
 
 
 def launch_struct_kernel(config, device_id: int, stream, grid, arguments: StructArguments) -> None:
@@ -167,17 +193,16 @@ def launch_struct_kernel(config, device_id: int, stream, grid, arguments: Struct
     kernel = get_kernel(config, device_id)
     grid = tuple(grid) + (1,) * (3 - len(grid))
     launch_struct(kernel.kernel.ptr, grid, config.threads, config.smem_bytes, stream.ptr, arguments.packer,
-                  arguments.build(arguments.tensors))
+                  arguments.fields())
 
 
 def launch_struct(function: int, grid: tuple, threads: int, smem_bytes: int, stream: int, packer: struct.Struct,
                   fields: tuple) -> None:
     """Launch the CUfunction `function` with its parameter struct's `fields` packed by `packer`."""
-    from cupy_backends.cuda.api import driver
-
     values, pointers, _ = _param_structs.get(packer.size)
     packer.pack_into(values, 0, *fields)
-    driver.launchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream, pointers, 0)
+    (_driver or _load_driver()).launchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream,
+                                             pointers, 0)
 
 
 #: Scratch of launches captured into CUDA graphs: each replay of such a graph uses the addresses
@@ -229,6 +254,4 @@ def fill(info, value, device_id: int) -> None:
 
 
 def memset_async(address: int, nbytes: int, stream: int) -> None:
-    from cupy.cuda import runtime
-
-    runtime.memsetAsync(address, 0, nbytes, stream)
+    (_runtime or _load_runtime()).memsetAsync(address, 0, nbytes, stream)

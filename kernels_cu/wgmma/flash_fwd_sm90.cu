@@ -147,16 +147,18 @@ struct TileWalk {
         mbarrier_arrive(bars.tile_full());
         phase ^= 1;
     }
-    // Consumers: the tile to run now.
-    CF_DEVICE void receive(const FwdBarriers& bars, int lane, int round) {
+    // Consumers: the tile to run now. Every consumer thread arrives on tile_empty after its own
+    // read of the slot, so the producer's next write is ordered after each read by the barrier
+    // alone (one arrival per warp after __syncwarp is enough under the PTX memory model, but
+    // compute-sanitizer's racecheck cannot see that ordering and reports the slot).
+    CF_DEVICE void receive(const FwdBarriers& bars, int round) {
         if (!kCausal) {
             tile = blockIdx.x + round * gridDim.x;
             return;
         }
         mbarrier_wait(bars.tile_full(), phase);
         tile = ld_shared_volatile(bars.tile_slot());
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(bars.tile_empty());
+        mbarrier_arrive(bars.tile_empty());
         phase ^= 1;
     }
 };
@@ -406,7 +408,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
     u32 q_phase = 0;
     TileWalk<kCausal> walk;
     for (int round = 0;; ++round) {
-        walk.receive(bars, lane, round);
+        walk.receive(bars, round);
         if (walk.tile >= p.tiles) break;
         const Tile tile = tile_at<kCausal>(walk.tile, p);
         const int n_blocks = key_blocks<kCausal, Tl::kBlockM, Tl::kBlockN>(tile.m_block, p);
@@ -484,7 +486,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim, kBlockN, kGroups>::kThreads,
     const FwdBarriers bars{smem + Tl::kBarriers};
     if (threadIdx.x == 0) {
         mbarrier_init(bars.tile_full(), 1);
-        mbarrier_init(bars.tile_empty(), Tl::kConsumerWarps);
+        mbarrier_init(bars.tile_empty(), 32 * Tl::kConsumerWarps);
         mbarrier_init(bars.q_full(), 1);
         mbarrier_init(bars.q_empty(), Tl::kConsumerWarps);
         for (int s = 0; s < kStages; ++s) {

@@ -115,9 +115,10 @@ def unsupported_reason(arch: int, problem: AttentionProblem, tensors=()) -> str:
     return ""
 
 
-def _map(t, rows: int, batch: int, seqlen: int, heads: int, head_dim: int) -> bytes:
-    """Map of a (batch, seqlen, heads, head_dim) tensor with boxes of {64 columns, rows}."""
-    return tensor_maps.encode_tiled(t.dtype, t.data_ptr, (head_dim, seqlen, heads, batch),
+def _map(t, address: int, rows: int, batch: int, seqlen: int, heads: int, head_dim: int) -> bytes:
+    """Map of a (batch, seqlen, heads, head_dim) tensor laid out as `t`, at `address`, with boxes of
+    {64 columns, rows}."""
+    return tensor_maps.encode_tiled(t.dtype, address, (head_dim, seqlen, heads, batch),
                                     (t.strides[1] * 2, t.strides[2] * 2, t.strides[0] * 2), (64, rows, 1, 1))
 
 
@@ -131,16 +132,23 @@ def tile_count(shape, config: WgmmaFwdConfig) -> int:
     return math.ceil(shape.seqlen_q / config.block_m) * shape.nheads * shape.batch
 
 
-def param_fields(q, k, v, out, lse, tile_counter: int, shape, config: WgmmaFwdConfig) -> tuple:
-    """FwdParams of a call, in PARAMS order (tile_counter: the address of a zeroed int32 for causal
-    calls, else 0)."""
+def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig):
+    """build(addresses) -> the FwdParams fields, in PARAMS order, of a call on tensors laid out as
+    the described q, k, v, out, lse placed at `addresses` (theirs, then the tile counter's: a zeroed
+    int32 for causal calls, else None). Everything but the addresses is worked out once here."""
     b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.head_dim
     m_blocks = math.ceil(sq / config.block_m)
-    return (_map(q, config.block_m, b, sq, h, d), _map(k, config.block_n, b, sk, hk, d),
-            _map(v, config.block_n, b, sk, hk, d), out.data_ptr, lse.data_ptr, tile_counter,
-            out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
-            sq, sk, d, h, shape.kv_group, b, m_blocks, m_blocks * h * b, section_pairs(shape),
-            shape.softmax_scale * math.log2(math.e))
+    scalars = (out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
+               sq, sk, d, h, shape.kv_group, b, m_blocks, m_blocks * h * b, section_pairs(shape),
+               shape.softmax_scale * math.log2(math.e))
+    block_m, block_n = config.block_m, config.block_n
+
+    def build(addresses) -> tuple:
+        q_at, k_at, v_at, out_at, lse_at, counter_at = addresses
+        return (_map(q, q_at, block_m, b, sq, h, d), _map(k, k_at, block_n, b, sk, hk, d),
+                _map(v, v_at, block_n, b, sk, hk, d), out_at, lse_at, counter_at or 0) + scalars
+
+    return build
 
 
 def hang_check() -> bool:
@@ -159,10 +167,8 @@ def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream
         return
     counter, counter_info = launcher.scratch((1,), np.int32, zero=True) if problem.causal else (None, None)
 
-    def build(tensors):  # the maps embed the addresses: replays rebuild the struct for theirs
-        q, k, v, out, lse, counter = tensors
-        return param_fields(q, k, v, out, lse, counter.data_ptr if counter else 0, shape, config)
-
-    arguments = launcher.StructArguments(PARAMS, (q, k, v, out, lse, counter_info), build)
+    # The maps embed the addresses: replays rebuild the struct for theirs.
+    arguments = launcher.StructArguments(PARAMS, (q, k, v, out, lse, counter_info),
+                                         struct_builder(q, k, v, out, lse, shape, config))
     launcher.launch_struct_kernel(config, device_id, stream, (min(tiles, sm_count(device_id)),), arguments)
     del counter  # stream-ordered: reused only by work queued after this point
