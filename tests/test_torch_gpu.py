@@ -119,6 +119,25 @@ def test_eager_path_matches_the_custom_op_bitwise(monkeypatch, variant):
         assert torch.equal(a, b)
 
 
+def test_only_calls_autograd_must_record_build_a_graph_node():
+    """Inference calls (no input requires grad, or grad mode off) skip the autograd.Function and its
+    host cost, with the same result; differentiable calls get the node their backward needs."""
+    import cuflash2
+
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 96, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    plain = cuflash2.flash_attn_func(q, k, v, causal=True)
+    assert plain.grad_fn is None and not plain.requires_grad
+    q.requires_grad_()
+    with torch.no_grad():
+        under_no_grad = cuflash2.flash_attn_func(q, k, v, causal=True)
+    assert under_no_grad.grad_fn is None and torch.equal(under_no_grad, plain)
+    recorded = cuflash2.flash_attn_func(q, k, v, causal=True)
+    assert recorded.grad_fn is not None and torch.equal(recorded.detach(), plain)
+    recorded.float().sum().backward()
+    assert q.grad is not None and k.grad is None
+
+
 def test_eager_varlen_path_matches_the_custom_op_bitwise(monkeypatch):
     import cuflash2
 
