@@ -165,6 +165,9 @@ def call_key(framework: str, replay_ops, arrays: tuple, options: tuple):
     return framework, tuple(sig), options, tuple(map(type, options))
 
 
+_OWN_KEY = object()  # GpuAdapter.backward's default: the call's key is backward_key's
+
+
 def _replayable(options: AttentionOptions, alibi_slopes) -> bool:
     return (alibi_slopes is None and options.dropout.p == 0 and replay.FAST_CALLS and launcher.PACKED_LAUNCH)
 
@@ -244,9 +247,12 @@ class GpuAdapter(Adapter):
                                     call.device_id)
 
     def backward(self, dout, q, k, v, out, softmax_lse, alibi_slopes, options: AttentionOptions, dq=None, dk=None,
-                 dv=None):
+                 dv=None, *, replay_key=_OWN_KEY):
+        """(dq, dk, dv) of flash_attn_backward. `replay_key`: the key the call's Replay is kept
+        under (a framework adapter that keys calls its own way), else backward_key's."""
         outputs_given = dq is not None or dk is not None or dv is not None
-        key = self.backward_key(dout, q, k, v, out, softmax_lse, options, alibi_slopes)
+        key = (self.backward_key(dout, q, k, v, out, softmax_lse, options, alibi_slopes) if replay_key is _OWN_KEY
+               else replay_key)
         result = None if outputs_given else replay.replay(key, (dout, q, k, v, out, softmax_lse))
         if result is not None:  # a call signature seen before
             return result

@@ -204,17 +204,24 @@ def _use_custom_op(q: Tensor) -> bool:
     return _compiling() or q.is_meta or isinstance(q, FakeTensor)
 
 
-def _fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-              dropout_seed, deterministic, dropout_rng_state):
+def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
+             dropout_seed, deterministic, dropout_rng_state):
+    """(out, lse, the call's replay key): out and lse are new contiguous tensors whatever the path,
+    so the key (q, k, v and the options) fixes their layout too."""
     options = _options(softmax_scale, causal, window_left, window_right, softcap, deterministic, dropout_p,
                        dropout_seed, dropout_rng_state)
-    result = replay.replay(ADAPTER.forward_key(q, k, v, options, alibi_slopes), (q, k, v))
+    key = ADAPTER.forward_key(q, k, v, options, alibi_slopes)
+    result = replay.replay(key, (q, k, v))
     if result is not None:  # a call signature seen before: what forward_into below would launch
-        return result
+        return result + (key,)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     ADAPTER.forward_into(q, k, v, out, lse, alibi_slopes, options)
-    return out, lse
+    return out, lse, key
+
+
+def _fwd_impl(*args):
+    return _forward(*args)[:2]
 
 
 @torch.library.custom_op("cuflash2::flash_attn_fwd", mutates_args=(), device_types="cuda")
@@ -232,16 +239,22 @@ def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_
 
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-              dropout_p, dropout_seed, deterministic, dropout_rng_state):
+              dropout_p, dropout_seed, deterministic, dropout_rng_state, forward_key=None):
+    """(dq, dk, dv). `forward_key`: the replay key of the forward that made out and lse from these q,
+    k, v (the eager path keeps it): the backward's key is then that key and dout's signature, which
+    costs less than describing all six inputs again."""
     dout = _kernel_ready(dout)  # here, not in the autograd formula: torch.compile traces that with fake tensors
     options = _options(softmax_scale, causal, window_left, window_right, softcap, deterministic, dropout_p,
                        dropout_seed, dropout_rng_state)
-    result = replay.replay(ADAPTER.backward_key(dout, q, k, v, out, lse, options, alibi_slopes),
-                           (dout, q, k, v, out, lse))
+    if forward_key is not None:
+        key = ("bwd after fwd", forward_key, TorchOps.signature(dout), bool(deterministic))
+    else:
+        key = ADAPTER.backward_key(dout, q, k, v, out, lse, options, alibi_slopes)
+    result = replay.replay(key, (dout, q, k, v, out, lse))
     if result is not None:  # a call signature seen before: what the backward below would launch
         return result
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    return ADAPTER.backward(dout, q, k, v, out, lse, alibi_slopes, options, dq, dk, dv)
+    return ADAPTER.backward(dout, q, k, v, out, lse, alibi_slopes, options, dq, dk, dv, replay_key=key)
 
 
 @torch.library.custom_op("cuflash2::flash_attn_bwd", mutates_args=(), device_types="cuda")
@@ -289,17 +302,17 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, options):
-        out, lse = _fwd_impl(q, k, v, *options)
+        out, lse, key = _forward(q, k, v, *options)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = options
+        ctx.options, ctx.forward_key = options, key
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # no double backward (it would silently drop terms)
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, *ctx.options)
+        dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, *ctx.options, forward_key=ctx.forward_key)
         return dq, dk, dv, None
 
 
