@@ -20,13 +20,14 @@ def recorded(monkeypatch):
 
     def fwd(q, k, v, *options):
         calls["fwd"].append(options)
-        return 2 * q.detach(), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+        return 2 * q.detach(), torch.zeros(q.shape[0], q.shape[2], q.shape[1]), ("fwd", "key")
 
-    def bwd(dout, q, k, v, out, lse, *options):
+    def bwd(dout, q, k, v, out, lse, *options, forward_key=None):
         calls["bwd"].append((dout, options))
+        assert forward_key in (None, ("fwd", "key"))  # the eager Function hands the forward's key over
         return 3 * dout, torch.full_like(k, 5.0), torch.full_like(v, 7.0)
 
-    monkeypatch.setattr(torch_ops, "_fwd_impl", fwd)
+    monkeypatch.setattr(torch_ops, "_forward", fwd)
     monkeypatch.setattr(torch_ops, "_bwd_impl", bwd)
     return calls
 
