@@ -5,6 +5,13 @@ grid points, in one process with the same inputs, so a tile change can be judged
 into forward_config. Needs an sm_90 GPU and torch. Example:
 
     python benchmarks/ab_wgmma.py --head-dim 128 --causal --seqlen 2048,16384 --tiles 128x2,176x2
+
+--baseline FILE also times each tile built from another version of the kernel source (a copy
+placed under kernels_cu/, e.g. kernels_cu/wgmma/flash_fwd_sm90_base.cu from `git show`), so that
+a kernel change is judged against the code before it in the same process:
+
+    git show HEAD~1:kernels_cu/wgmma/flash_fwd_sm90.cu > kernels_cu/wgmma/flash_fwd_sm90_base.cu
+    python benchmarks/ab_wgmma.py --baseline wgmma/flash_fwd_sm90_base.cu --head-dim 64,128,256
 """
 
 import argparse
@@ -46,15 +53,32 @@ def tflops(fn, flops: float, rounds: int = 5) -> float:
     return flops / statistics.median(times) / 1e9
 
 
+def with_source(config, source_file: str):
+    """`config` built from another kernel source file (a subclass: its kernels are cached apart)."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Baseline(type(config)):
+        pass
+
+    Baseline.source_file = source_file
+    return Baseline(**dataclasses.asdict(config))
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim", default="128", help="comma list")
+    parser.add_argument("--baseline", default="", help="kernel source (relative to kernels_cu/) to compare with")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--seqlen", default="512,2048,16384", help="comma list; batch = 16384 // seqlen")
     parser.add_argument("--tiles", default="", help="comma list of BLOCKNxGROUPS (default: forward_config's)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     args = parser.parse_args()
-    d, dtype = args.head_dim, getattr(torch, args.dtype)
+    for d in map(int, args.head_dim.split(",")):
+        compare(d, args)
+
+
+def compare(d: int, args) -> None:
+    dtype = getattr(torch, args.dtype)
     default = wgmma.forward_config(d, args.dtype, args.causal)
     tiles = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",") if t] or [(default.block_n, default.groups)]
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
@@ -75,8 +99,10 @@ def main():
         line = f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: cuDNN {tflops(cudnn, flops):6.1f}"
         for block_n, groups in tiles:
             config = dataclasses.replace(default, block_n=block_n, groups=groups)
-            run = lambda: wgmma.forward(problem, *infos, 0, stream, config=config)  # noqa: E731
-            line += f" | n{block_n} g{groups} {tflops(run, flops):6.1f}"
+            variants = [("", config)] + ([("base ", with_source(config, args.baseline))] if args.baseline else [])
+            for label, variant in variants:
+                run = lambda: wgmma.forward(problem, *infos, 0, stream, config=variant)  # noqa: E731
+                line += f" | {label}n{block_n} g{groups} {tflops(run, flops):6.1f}"
         print(line + " TFLOP/s", flush=True)
 
 

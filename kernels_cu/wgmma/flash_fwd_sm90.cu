@@ -295,13 +295,21 @@ struct RowStats {
 
 // Folds a block of scores into the running row statistics; s becomes P (unnormalised, relative to
 // the new maximum) and scale the factor that brings earlier partial outputs to that maximum.
+// The row maximum and sum are taken over kChains independent partial results: with two consumer
+// warps per scheduler, a single dependent chain of kN/4 fmax or add steps would leave the issue
+// slots idle for its latency.
 template <int kN>
 CF_DEVICE void softmax_update(float (&s)[kN / 2], RowStats& stats, float (&scale)[2], float scale_log2) {
+    constexpr int kColumns = kN / 8, kChains = 4;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float m = stats.max[r];
+        float part[kChains];
 #pragma unroll
-        for (int j = 0; j < kN / 8; ++j) m = fmaxf(m, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        for (int c = 0; c < kChains; ++c) part[c] = stats.max[r];
+#pragma unroll
+        for (int j = 0; j < kColumns; ++j)
+            part[j % kChains] = fmaxf(part[j % kChains], fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        float m = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
         m = fmaxf(m, shfl_xor(m, 1));
         m = fmaxf(m, shfl_xor(m, 2));
         const float m_scaled = m == -CF_INF ? 0.f : m * scale_log2;  // rows with nothing visible yet
@@ -309,16 +317,17 @@ CF_DEVICE void softmax_update(float (&s)[kN / 2], RowStats& stats, float (&scale
         // up to rounding), so that the caller can skip rescaling O.
         scale[r] = m == stats.max[r] ? 1.f : fast_exp2(stats.max[r] * scale_log2 - m_scaled);
         stats.max[r] = m;
-        float sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < kN / 8; ++j)
+        for (int c = 0; c < kChains; ++c) part[c] = 0.f;
+#pragma unroll
+        for (int j = 0; j < kColumns; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 float& x = s[4 * j + 2 * r + e];
                 x = fast_exp2(fmaf(x, scale_log2, -m_scaled));
-                sum += x;
+                part[(2 * j + e) % kChains] += x;
             }
-        stats.sum[r] = stats.sum[r] * scale[r] + sum;
+        stats.sum[r] = stats.sum[r] * scale[r] + ((part[0] + part[1]) + (part[2] + part[3]));
     }
 }
 
