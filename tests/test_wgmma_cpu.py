@@ -20,6 +20,31 @@ def test_tiles_fit_shared_memory_and_cover_every_head_dim():
             assert config in wgmma_fwd.all_configs()
 
 
+def test_short_causal_calls_at_small_head_dims_take_two_warpgroups(monkeypatch):
+    """Up to head dim 64 the forward runs three consumer warpgroups (192 query rows), except on
+    causal calls whose query and key lengths are both short, where a 128-row tile wastes less of
+    each row on the masked diagonal; both tiles are compiled by the gate."""
+    short, long = wgmma_fwd.SHORT_CAUSAL_SEQLEN, wgmma_fwd.SHORT_CAUSAL_SEQLEN + 1
+    assert wgmma_fwd.forward_config(64, "bfloat16", True, seqlen=short).groups == 2
+    assert wgmma_fwd.forward_config(64, "bfloat16", True, seqlen=long).groups == 3
+    assert wgmma_fwd.forward_config(64, "bfloat16", True).groups == 3  # length unknown
+    assert wgmma_fwd.forward_config(64, "float16", False, seqlen=short).groups == 3
+    assert wgmma_fwd.forward_config(128, "bfloat16", True, seqlen=long).groups == 2
+    for seqlen in (short, long):
+        assert wgmma_fwd.forward_config(48, "float16", True, seqlen=seqlen) in wgmma_fwd.all_configs()
+    chosen = []
+    monkeypatch.setattr(wgmma_fwd.launcher, "launch_struct_kernel",
+                        lambda config, device_id, stream, grid, arguments: chosen.append(config))
+    monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 132)
+    for seqlen_q, seqlen_k, groups in ((512, 512, 2), (512, 4096, 3), (4096, 512, 3)):
+        problem = AttentionProblem(AttentionShape(1, seqlen_q, seqlen_k, 4, 4, 64, "bfloat16", 0.1), True)
+        q, kv = (contiguous_info((1, s, 4, 64), "bfloat16", 2, "cuda:0", 1 << 20) for s in (seqlen_q, seqlen_k))
+        lse = contiguous_info((1, 4, seqlen_q), "float32", 4, "cuda:0", 1 << 20)
+        monkeypatch.setattr(wgmma_fwd.launcher, "scratch", lambda *args, **kwargs: (None, None))
+        wgmma_fwd.forward(problem, q, kv, kv, q, lse, 0, None)
+        assert chosen[-1].groups == groups, (seqlen_q, seqlen_k)
+
+
 def test_params_struct_is_the_kernels_512_bytes():
     assert wgmma_fwd.PARAMS.size == 512  # flash_fwd_sm90.cu static_asserts sizeof(FwdParams) == 512
 

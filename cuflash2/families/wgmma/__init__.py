@@ -37,9 +37,10 @@ class WgmmaFamily:
         "fp16") on sm_90; none elsewhere or without "fwd" in `kinds`."""
         if arch != forward_kernel.ARCH or "fwd" not in kinds:
             return []
-        return list(dict.fromkeys(forward_config(dim, DTYPE_NAMES[dtype], causal) for dim in dims
+        return list(dict.fromkeys(forward_config(dim, DTYPE_NAMES[dtype], causal, seqlen=seqlen) for dim in dims
                                   if dim % 8 == 0 and dim <= forward_kernel.MAX_HEAD_DIM
-                                  for dtype in dtypes for causal in (False, True)))
+                                  for dtype in dtypes for causal in (False, True)
+                                  for seqlen in forward_kernel.SEQLEN_CLASSES))
 
 
 FAMILY = WgmmaFamily()

@@ -77,20 +77,32 @@ class WgmmaFwdConfig:
         return ("-arch=sm_90a",) + (("-DCF_HANG_CHECK",) if self.hang_check else ())
 
 
-def forward_config(head_dim: int, dtype: str, causal: bool, hang_check: bool = False) -> WgmmaFwdConfig:
+#: Causal calls with query and key lengths up to this many rows take two consumer warpgroups at head
+#: dims up to 64 too: a 192-row tile spends a larger part of a short causal row on the masked
+#: diagonal and on rows past the end (d64 causal, 512: 208 -> 231 TFLOP/s, 1k: 273 -> 304; three
+#: groups win again from 2k: 376 against 360).
+SHORT_CAUSAL_SEQLEN = 1024
+#: One length of each class forward_config tells apart (None: long or unknown).
+SEQLEN_CLASSES = (None, SHORT_CAUSAL_SEQLEN)
+
+
+def forward_config(head_dim: int, dtype: str, causal: bool, hang_check: bool = False,
+                   seqlen: int | None = None) -> WgmmaFwdConfig:
     """The tile for a call: three consumer warpgroups (192 query rows) up to head dim 64, where their
-    160 registers each hold S, P and O; two (128 rows, 240 registers) above. Key blocks as wide as
-    shared memory (Q tile + two stages of K and V) and registers allow."""
+    160 registers each hold S, P and O, except on short causal calls (`seqlen`: the longer of the
+    query and key lengths, see SHORT_CAUSAL_SEQLEN); two (128 rows, 240 registers) above. Key blocks
+    as wide as shared memory (Q tile + two stages of K and V) and registers allow."""
     padded = -(-head_dim // 16) * 16
-    groups = 3 if padded <= 64 else 2
+    short_causal = causal and seqlen is not None and seqlen <= SHORT_CAUSAL_SEQLEN
+    groups = 3 if padded <= 64 and not short_causal else 2
     block_n = 128 if padded <= 128 else 96 if padded <= 192 else 80
     return WgmmaFwdConfig(padded, block_n, groups, causal, dtype, hang_check)
 
 
 def all_configs() -> list[WgmmaFwdConfig]:
     """Every instantiation a call can pick (the compile check builds them all)."""
-    return [forward_config(d, dtype, causal) for d in range(16, MAX_HEAD_DIM + 1, 16) for dtype in SUPPORTED_DTYPES
-            for causal in (False, True)]
+    return list(dict.fromkeys(forward_config(d, dtype, causal, seqlen=seqlen) for d in range(16, MAX_HEAD_DIM + 1, 16)
+                              for dtype in SUPPORTED_DTYPES for causal in (False, True) for seqlen in SEQLEN_CLASSES))
 
 
 def unsupported_reason(arch: int, problem: AttentionProblem, tensors=()) -> str:
@@ -161,7 +173,8 @@ def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream
     the (batch, heads, seqlen_q) fp32 LSE), queued on `stream` as one persistent launch: one CTA
     per SM, at most one per tile."""
     shape = problem.shape
-    config = config or forward_config(shape.head_dim, shape.dtype, problem.causal, hang_check())
+    config = config or forward_config(shape.head_dim, shape.dtype, problem.causal, hang_check(),
+                                      max(shape.seqlen_q, shape.seqlen_k))
     tiles = tile_count(shape, config)
     if tiles == 0:
         return
