@@ -27,7 +27,7 @@ class ForwardOnlyFamily:
     def __init__(self):
         self.calls = []
 
-    def supports(self, arch, problem, direction, tensors=()):
+    def supports(self, arch, problem, direction, tensors=(), deterministic=False):
         return arch == 90 and direction == "forward" and problem.plain
 
     def forward(self, problem, q, k, v, out, lse, device_id, stream):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from ...problem.features import AttentionProblem
 from ...problem.tensors import DTYPE_NAMES
+from . import backward as backward_kernel
+from .backward import ENABLE_VARIABLE as BACKWARD_VARIABLE
 from . import forward as forward_kernel
 from .forward import (HANG_CHECK_VARIABLE, WgmmaFwdConfig, all_configs as all_forward_configs, forward_config,
                       unsupported_reason)
@@ -20,8 +22,15 @@ class WgmmaFamily:
     name = "wgmma"
 
     @staticmethod
-    def supports(arch: int, problem: AttentionProblem, direction: str, tensors=()) -> bool:
+    def supports(arch: int, problem: AttentionProblem, direction: str, tensors=(), deterministic: bool = False) -> bool:
+        if direction == "backward":
+            return not backward_kernel.unsupported_reason(arch, problem, deterministic, tensors)
         return direction == "forward" and not unsupported_reason(arch, problem, tensors)
+
+    @staticmethod
+    def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, device_id: int, stream,
+                 deterministic: bool = False) -> None:
+        backward_kernel.backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream)
 
     @staticmethod
     def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream) -> None:
@@ -29,7 +38,7 @@ class WgmmaFamily:
 
     @staticmethod
     def all_configs(arch: int) -> list:
-        return all_forward_configs() if arch == forward_kernel.ARCH else []
+        return all_forward_configs() + backward_kernel.all_configs() if arch == forward_kernel.ARCH else []
 
     @staticmethod
     def compile_configs(arch: int, dims: list[int], dtypes: list[str], kinds=("fwd", "bwd")) -> list:
@@ -45,5 +54,5 @@ class WgmmaFamily:
 
 FAMILY = WgmmaFamily()
 
-__all__ = ["FAMILY", "HANG_CHECK_VARIABLE", "WgmmaFamily", "WgmmaFwdConfig", "all_forward_configs", "forward_config",
+__all__ = ["BACKWARD_VARIABLE", "FAMILY", "HANG_CHECK_VARIABLE", "WgmmaFamily", "WgmmaFwdConfig", "all_forward_configs", "forward_config",
            "unsupported_reason"]
