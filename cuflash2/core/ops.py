@@ -156,8 +156,8 @@ def varlen_backward(problem: AttentionProblem, deterministic: bool, dout, q, k, 
         return
 
     def launch(problem, dout, q, k, v, out, lse, dq, dk, dv):
-        family_for(device_arch(device_id), problem, "backward").backward(problem, dout, q, k, v, out, lse, dq, dk, dv,
-                                                                         device_id, stream, deterministic)
+        family = family_for(device_arch(device_id), problem, "backward", deterministic=deterministic)
+        family.backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream, deterministic)
 
     _run_with_features(problem, "varlen-backward", launch, [dout, q, k, v, out, lse, dq, dk, dv], device_id, stream,
                        deterministic)

@@ -5,7 +5,8 @@ family's entry point for the direction with the problem description, the describ
 and the stream. A family is an object with:
 
     name: str
-    supports(arch: int, problem: AttentionProblem, direction: str, tensors=()) -> bool
+    supports(arch: int, problem: AttentionProblem, direction: str, tensors=(),
+             deterministic=False) -> bool
     forward(problem, q, k, v, out, lse, device_id: int, stream) -> None     # "forward"
     backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream,
              deterministic) -> None                                         # "backward"
@@ -65,8 +66,7 @@ def compile_configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[
 def environment() -> tuple:
     """The environment variables the choice of kernels depends on, as set now (recorded launches
     hold the kernels chosen when they were recorded, so replays are dropped when this changes)."""
-    get = os.environ.get
-    return get(FAMILY_VARIABLE, ""), get(wgmma.HANG_CHECK_VARIABLE, ""), get(wgmma.BACKWARD_VARIABLE, "")
+    return os.environ.get(FAMILY_VARIABLE, ""), os.environ.get(wgmma.HANG_CHECK_VARIABLE, "")
 
 
 def candidates() -> tuple:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import struct
 
 import numpy as np
@@ -27,9 +26,6 @@ HEAD_DIM = 128  # the one head dim the kernel is built for (its two 64-column pa
 BLOCK_N = 128  # keys per CTA
 BLOCK_M = 64  # query rows per step
 THREADS = 384
-#: CUFLASH2_WGMMA_BACKWARD=1 lets the Hopper backward run the calls it supports (it is being
-#: validated: off, the mma.sync backward runs them).
-ENABLE_VARIABLE = "CUFLASH2_WGMMA_BACKWARD"
 # BwdParams (flash_bwd_sm90.cu): 4 maps, 5 pointers, 6 i64 strides, 5 ints, 2 floats, padding to 640.
 PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqqiiiiiff12x")
 _KV_BYTES = BLOCK_N * 128 * 2
@@ -89,15 +85,9 @@ def all_configs() -> list:
             for gqa in (False, True)] + [WgmmaRowsConfig(dtype) for dtype in SUPPORTED_DTYPES]
 
 
-def enabled() -> bool:
-    return os.environ.get(ENABLE_VARIABLE, "") not in ("", "0")
-
-
 def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool, tensors=()) -> str:
     """Why the Hopper backward does not run a call ("" when it does)."""
     shape = problem.shape
-    if not enabled():
-        return f"off until validated ({ENABLE_VARIABLE}=1 turns it on)"
     if arch != ARCH:
         return f"needs compute capability 9.0 (sm_90a), got {arch // 10}.{arch % 10}"
     if shape.dtype not in SUPPORTED_DTYPES:
@@ -179,5 +169,5 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     del lse_log2, delta, dq_acc, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
 
 
-__all__ = ["ENABLE_VARIABLE", "HANG_CHECK_VARIABLE", "PARAMS", "WgmmaBwdConfig", "WgmmaRowsConfig", "all_configs",
-           "backward", "enabled", "unsupported_reason"]
+__all__ = ["HANG_CHECK_VARIABLE", "PARAMS", "WgmmaBwdConfig", "WgmmaRowsConfig", "all_configs", "backward",
+           "unsupported_reason"]
