@@ -85,7 +85,7 @@ def test_unsupported_reasons_name_what_is_missing():
     assert "q with" in reason(90, _problem(), [not_last])
 
 
-def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest():
+def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest(monkeypatch):
     from cuflash2 import families
     from cuflash2.problem.features import Features
 
@@ -95,6 +95,8 @@ def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest():
     assert families.family_for(90, _problem(causal=True), "forward").name == "wgmma"
     assert families.family_for(80, _problem(), "forward", tensors).name == "mma_sync"
     grads = tensors + [("dout", q), ("dq", q), ("dk", q), ("dv", q)]
+    assert families.family_for(90, _problem(), "backward", grads).name == "mma_sync"  # the Hopper one is opt-in
+    monkeypatch.setenv(wgmma_bwd.ENABLE_VARIABLE, "1")
     assert families.family_for(90, _problem(), "backward", grads).name == "wgmma"  # head dim 128
     assert families.family_for(90, _problem(), "backward", grads, deterministic=True).name == "mma_sync"
     assert families.family_for(90, _problem(d=64), "backward", grads).name == "mma_sync"
@@ -276,8 +278,11 @@ def test_backward_params_struct_is_the_kernels_640_bytes():
     assert wgmma_bwd.PARAMS.size == 640  # flash_bwd_sm90.cu static_asserts sizeof(BwdParams) == 640
 
 
-def test_the_backward_runs_head_dim_128_and_leaves_the_rest():
+def test_the_backward_runs_head_dim_128_and_leaves_the_rest(monkeypatch):
     from cuflash2.problem.features import Features
+
+    assert "opt-in" in wgmma_bwd.unsupported_reason(90, _problem(), False)
+    monkeypatch.setenv(wgmma_bwd.ENABLE_VARIABLE, "1")
 
     q = _bshd()
     grads = [("dout", q), ("q", q), ("k", q), ("v", q), ("out", q), ("dq", q), ("dk", q), ("dv", q)]

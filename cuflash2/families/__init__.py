@@ -66,7 +66,8 @@ def compile_configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[
 def environment() -> tuple:
     """The environment variables the choice of kernels depends on, as set now (recorded launches
     hold the kernels chosen when they were recorded, so replays are dropped when this changes)."""
-    return os.environ.get(FAMILY_VARIABLE, ""), os.environ.get(wgmma.HANG_CHECK_VARIABLE, "")
+    get = os.environ.get
+    return get(FAMILY_VARIABLE, ""), get(wgmma.HANG_CHECK_VARIABLE, ""), get(wgmma.BACKWARD_VARIABLE, "")
 
 
 def candidates() -> tuple:
