@@ -27,7 +27,7 @@ class ForwardOnlyFamily:
     def __init__(self):
         self.calls = []
 
-    def supports(self, arch, problem, direction, tensors=()):
+    def supports(self, arch, problem, direction, tensors=(), deterministic=False):
         return arch == 90 and direction == "forward" and problem.plain
 
     def forward(self, problem, q, k, v, out, lse, device_id, stream):
@@ -44,10 +44,25 @@ def two_families(monkeypatch):
 
 def test_mma_sync_runs_every_direction_by_default_but_the_sm90_forward(monkeypatch):
     monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
+    monkeypatch.delenv(wgmma.BACKWARD_VARIABLE, raising=False)
     for arch in (80, 86, 89, 90, 100, 120):
         for direction in families.DIRECTIONS:
             expected = wgmma.FAMILY if (arch, direction) == (90, "forward") else mma_sync.FAMILY
             assert families.family_for(arch, PROBLEM, direction) is expected
+
+
+def test_the_hopper_backward_is_opt_in(monkeypatch):
+    """CUFLASH2_WGMMA_BACKWARD=1: head dim 128 backwards on sm_90, not deterministic ones (its dQ
+    sums run in no fixed order); the variable is part of the replays' environment."""
+    monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
+    before = families.environment()
+    monkeypatch.setenv(wgmma.BACKWARD_VARIABLE, "1")
+    assert families.environment() != before
+    assert families.family_for(90, PROBLEM, "backward") is wgmma.FAMILY
+    assert families.family_for(80, PROBLEM, "backward") is mma_sync.FAMILY
+    assert families.family_for(90, PROBLEM, "backward", deterministic=True) is mma_sync.FAMILY
+    other = AttentionProblem(AttentionShape(2, 512, 512, 8, 8, 64, "bfloat16", 0.125), True)
+    assert families.family_for(90, other, "backward") is mma_sync.FAMILY
 
 
 def test_the_first_family_that_supports_a_call_runs_it(two_families):
@@ -100,6 +115,7 @@ def test_every_family_has_what_the_core_and_the_cli_call():
 
 def test_info_names_the_family_of_each_direction(monkeypatch):
     monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
+    monkeypatch.delenv(wgmma.BACKWARD_VARIABLE, raising=False)
     result = CliRunner().invoke(main, ["info", "--arch", "sm_80"])
     assert result.exit_code == 0, result.output
     section = result.output.split("Kernel families")[1]

@@ -3,6 +3,7 @@ the NVRTC compile of every sm_90a instantiation with ptxas' slowdown warnings tr
 
 import pytest
 
+from cuflash2.families.wgmma import backward as wgmma_bwd
 from cuflash2.families.wgmma import forward as wgmma_fwd
 from cuflash2.problem.features import AttentionProblem
 from cuflash2.runtime import compiler, tensor_maps
@@ -84,7 +85,7 @@ def test_unsupported_reasons_name_what_is_missing():
     assert "q with" in reason(90, _problem(), [not_last])
 
 
-def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest():
+def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest(monkeypatch):
     from cuflash2 import families
     from cuflash2.problem.features import Features
 
@@ -93,7 +94,15 @@ def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest():
     assert families.family_for(90, _problem(), "forward", tensors).name == "wgmma"
     assert families.family_for(90, _problem(causal=True), "forward").name == "wgmma"
     assert families.family_for(80, _problem(), "forward", tensors).name == "mma_sync"
-    assert families.family_for(90, _problem(), "backward", tensors).name == "mma_sync"
+    grads = tensors + [("dout", q), ("dq", q), ("dk", q), ("dv", q)]
+    assert families.family_for(90, _problem(), "backward", grads).name == "mma_sync"  # the Hopper one is opt-in
+    monkeypatch.setenv(wgmma_bwd.ENABLE_VARIABLE, "1")
+    assert families.family_for(90, _problem(), "backward", grads).name == "wgmma"  # head dim 128
+    assert families.family_for(90, _problem(), "backward", grads, deterministic=True).name == "mma_sync"
+    assert families.family_for(90, _problem(d=64), "backward", grads).name == "mma_sync"
+    assert families.family_for(90, _problem(), "backward", misaligned_grads := [("dout", _bshd(ptr=(1 << 20) + 2))]
+                               ).name == "mma_sync"
+    assert misaligned_grads
     assert families.family_for(90, _problem(), "kvcache").name == "mma_sync"
     assert families.family_for(90, _problem(d=59), "forward").name == "mma_sync"
     window = _problem(features=Features(window_left=8, window_right=8))
@@ -152,7 +161,7 @@ def test_the_gate_catches_an_ignored_setmaxnreg():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("config", wgmma_fwd.all_configs(), ids=lambda c: c.short_id())
+@pytest.mark.parametrize("config", wgmma_fwd.all_configs() + wgmma_bwd.all_configs(), ids=lambda c: c.short_id())
 def test_every_instantiation_compiles_clean_for_sm90a(config):
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
     report = compiler.compile_offline(config, "sm_90")
@@ -160,7 +169,8 @@ def test_every_instantiation_compiles_clean_for_sm90a(config):
     assert report.registers > 0, f"no ptxas resource report for {report.line()}"
     # setmaxnreg.inc takes registers from the block's own pool: the kernel must start with its full
     # share (the static_assert in FwdTile budgets against it), or the consumers wait forever.
-    assert report.registers == 65536 // config.threads // 8 * 8, report.line()
+    if config.smem_bytes:  # the warp-specialised kernels (not the backward's row preprocessing)
+        assert report.registers == 65536 // config.threads // 8 * 8, report.line()
     assert not report.slowdown_warnings, f"{report.line()}\n{report.slowdown_warnings}"
     assert report.stack_frame_bytes == 0 and report.spill_store_bytes == 0 and report.spill_load_bytes == 0, \
         report.line()
@@ -262,3 +272,25 @@ def test_scratch_of_a_captured_call_lives_on(monkeypatch):
     capturing[0] = True
     array, info = launcher.scratch((1,), np.int32, zero=True)
     assert launcher._captured_scratch == [array]
+
+
+def test_backward_params_struct_is_the_kernels_640_bytes():
+    assert wgmma_bwd.PARAMS.size == 640  # flash_bwd_sm90.cu static_asserts sizeof(BwdParams) == 640
+
+
+def test_the_backward_runs_head_dim_128_and_leaves_the_rest(monkeypatch):
+    from cuflash2.problem.features import Features
+
+    assert "opt-in" in wgmma_bwd.unsupported_reason(90, _problem(), False)
+    monkeypatch.setenv(wgmma_bwd.ENABLE_VARIABLE, "1")
+
+    q = _bshd()
+    grads = [("dout", q), ("q", q), ("k", q), ("v", q), ("out", q), ("dq", q), ("dk", q), ("dv", q)]
+    assert wgmma_bwd.unsupported_reason(90, _problem(causal=True), False, grads) == ""
+    assert "deterministic" in wgmma_bwd.unsupported_reason(90, _problem(), True, grads)
+    assert "head dim 128 only" in wgmma_bwd.unsupported_reason(90, _problem(d=64), False, grads)
+    assert "compute capability 9.0" in wgmma_bwd.unsupported_reason(80, _problem(), False, grads)
+    assert "plain and causal" in wgmma_bwd.unsupported_reason(90, _problem(features=Features(softcap=5.0)), False,
+                                                              grads)
+    odd = [("dk", _bshd(strides=(256 * 4 * 129, 4 * 129, 129, 1)))]
+    assert "4-byte aligned" in wgmma_bwd.unsupported_reason(90, _problem(), False, odd)

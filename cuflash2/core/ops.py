@@ -42,8 +42,10 @@ def backward(problem: AttentionProblem, deterministic: bool, dout, q, k, v, out,
         for info in (dq, dk, dv):
             launcher.fill(info, 0, device_id)
         return
-    family_for(device_arch(device_id), problem, "backward").backward(problem, dout, q, k, v, out, lse, dq, dk, dv,
-                                                                     device_id, stream, deterministic)
+    tensors = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", lse), ("dq", dq),
+               ("dk", dk), ("dv", dv))
+    family = family_for(device_arch(device_id), problem, "backward", tensors, deterministic)
+    family.backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream, deterministic)
 
 
 def _launches_kernels(problem: AttentionProblem) -> bool:
@@ -154,8 +156,8 @@ def varlen_backward(problem: AttentionProblem, deterministic: bool, dout, q, k, 
         return
 
     def launch(problem, dout, q, k, v, out, lse, dq, dk, dv):
-        family_for(device_arch(device_id), problem, "backward").backward(problem, dout, q, k, v, out, lse, dq, dk, dv,
-                                                                         device_id, stream, deterministic)
+        family = family_for(device_arch(device_id), problem, "backward", deterministic=deterministic)
+        family.backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream, deterministic)
 
     _run_with_features(problem, "varlen-backward", launch, [dout, q, k, v, out, lse, dq, dk, dv], device_id, stream,
                        deterministic)

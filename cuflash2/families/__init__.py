@@ -5,7 +5,8 @@ family's entry point for the direction with the problem description, the describ
 and the stream. A family is an object with:
 
     name: str
-    supports(arch: int, problem: AttentionProblem, direction: str, tensors=()) -> bool
+    supports(arch: int, problem: AttentionProblem, direction: str, tensors=(),
+             deterministic=False) -> bool
     forward(problem, q, k, v, out, lse, device_id: int, stream) -> None     # "forward"
     backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream,
              deterministic) -> None                                         # "backward"
@@ -65,7 +66,8 @@ def compile_configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[
 def environment() -> tuple:
     """The environment variables the choice of kernels depends on, as set now (recorded launches
     hold the kernels chosen when they were recorded, so replays are dropped when this changes)."""
-    return os.environ.get(FAMILY_VARIABLE, ""), os.environ.get(wgmma.HANG_CHECK_VARIABLE, "")
+    get = os.environ.get
+    return get(FAMILY_VARIABLE, ""), get(wgmma.HANG_CHECK_VARIABLE, ""), get(wgmma.BACKWARD_VARIABLE, "")
 
 
 def candidates() -> tuple:
@@ -76,14 +78,14 @@ def candidates() -> tuple:
     return tuple(sorted(FAMILIES, key=lambda family: family.name != forced))
 
 
-def family_for(arch: int, problem: AttentionProblem, direction: str, tensors=()):
+def family_for(arch: int, problem: AttentionProblem, direction: str, tensors=(), deterministic: bool = False):
     """The family that runs `problem` in `direction` ("forward", "backward" or "kvcache") on a GPU
     of compute capability `arch` (90 for sm_90); `tensors`: (name, TensorInfo) of the call's
-    tensors when known."""
+    tensors when known; `deterministic`: a backward that must give the same bits run to run."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: expected one of {', '.join(DIRECTIONS)}, got {direction!r}")
     for family in candidates():
-        if family.supports(arch, problem, direction, tensors):
+        if family.supports(arch, problem, direction, tensors, deterministic):
             return family
     raise ValueError(f"arch: no kernel family runs {direction} attention on sm_{arch} (families: "
                      f"{', '.join(family_names())})")

@@ -31,17 +31,6 @@ static_assert(sizeof(FwdParams) == 512, "FwdParams: host layout (3 maps, 3 point
 
 constexpr int kStages = 2;
 
-// The 16-bit element type (common/ptx.cuh: Bf16 or Fp16) of a kBf16 flag.
-template <bool kBf16>
-struct Element16Of {
-    using T = Bf16;
-};
-template <>
-struct Element16Of<false> {
-    using T = Fp16;
-};
-template <bool kBf16>
-using Element16 = typename Element16Of<kBf16>::T;
 enum : int { kTurnBarrier0 = 1 };  // named barrier ids kTurnBarrier0 + group: the MMA turns (0 is __syncthreads)
 
 // The tile shape of one instantiation and the shared-memory layout it implies: the Q tile, kStages

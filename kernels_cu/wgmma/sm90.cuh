@@ -6,6 +6,19 @@
 
 typedef unsigned long long u64;
 
+// The 16-bit element type (common/ptx.cuh: Bf16 or Fp16) of the kernels' kBf16 flag (the flag also
+// picks the wgmma instruction: wgmma_ops.cuh).
+template <bool kBf16>
+struct Element16Of {
+    using T = Bf16;
+};
+template <>
+struct Element16Of<false> {
+    using T = Fp16;
+};
+template <bool kBf16>
+using Element16 = typename Element16Of<kBf16>::T;
+
 // A CUtensorMap as the driver encodes it (cuTensorMapEncodeTiled): 128 opaque bytes, 64-aligned.
 // Kernels take it inside a __grid_constant__ parameter and hand its generic address to the TMA.
 struct alignas(64) TensorMap {

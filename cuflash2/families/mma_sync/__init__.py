@@ -22,6 +22,7 @@ from .kernel_config import (BWD, BWD_CONVERT, BWD_DOT, BWD_DQ, BWD_FUSED, DTYPES
                             FWD_KVCACHE, HEAD_DIM_BUCKETS, MAX_GRID_YZ, MAX_HEAD_DIM, ROTARY_COPY, SMEM_LIMIT_BYTES,
                             SOURCE_FILE, VECTOR_WIDTHS, KernelConfig, fp32_cols, groups_per_chunk, head_dim_bucket,
                             narrow_spill_expected, smem_limit, vector_width, with_vector_width)
+from .launches import convert_accumulator
 from .kvcache_tiles import (DECODE_ROWS, KVCACHE_SHORT_ROWS, kvcache_config, kvcache_helper_configs,
                             paged_varlen_config)
 
@@ -32,7 +33,7 @@ class MmaSyncFamily:
     name = "mma_sync"
 
     @staticmethod
-    def supports(arch: int, problem: AttentionProblem, direction: str, tensors=()) -> bool:
+    def supports(arch: int, problem: AttentionProblem, direction: str, tensors=(), deterministic: bool = False) -> bool:
         return arch >= 80
 
     @staticmethod
@@ -69,7 +70,7 @@ __all__ = ["BWD", "BWD_CONVERT", "BWD_DOT", "BWD_DQ", "BWD_FUSED", "DECODE_ROWS"
            "MAX_GRID_YZ", "MAX_HEAD_DIM", "NARROW_SAMPLES", "NARROW_SAMPLE_DTYPE", "ROTARY_COPY", "SMEM_LIMIT_BYTES",
            "SOURCE_FILE", "VECTOR_WIDTHS", "BackwardPlan", "KernelConfig", "MmaSyncFamily", "all_backward_configs",
            "all_configs", "all_forward_configs", "all_kvcache_configs", "all_narrow_configs", "atomic_dq_supported",
-           "compile_configs",
+           "compile_configs", "convert_accumulator",
            "backward_plan", "backward_plan_options", "forward_config", "fp32_cols", "fused_backward_config",
            "fused_backward_supported", "groups_per_chunk", "head_dim_bucket", "kvcache_config",
            "kvcache_helper_configs", "narrow_backward_plan", "narrow_spill_expected", "paged_varlen_config",

@@ -19,7 +19,7 @@ from ...runtime import launcher
 from ...runtime.device import device_arch
 from .backward_plans import backward_plan, narrow_backward_plan
 from .forward_tiles import forward_config
-from .kernel_config import MAX_GRID_YZ, KernelConfig, fp32_cols, vector_width, with_vector_width
+from .kernel_config import BWD_CONVERT, MAX_GRID_YZ, KernelConfig, fp32_cols, vector_width, with_vector_width
 
 _ELEMENTWISE_THREADS = 256
 _i32, _i64, _f32, _ptr = np.int32, np.int64, np.float32, np.uint64
@@ -180,6 +180,15 @@ def backward(dout: TensorInfo, q: TensorInfo, k: TensorInfo, v: TensorInfo, out:
         for acc, grad in ((dk_t, dk), (dv_t, dv)):
             _convert(plan.convert, device_id, stream, acc, grad, b, sk, shape.nheads_kv, d, shape.kv_group, 1.0)
     del keep  # CuPy's pool reuses the memory only for work queued after this point on the stream
+
+
+def convert_accumulator(dtype: str, device_id: int, stream, acc: TensorInfo, out: TensorInfo, batch, seqlen, nheads,
+                        head_dim, group, scale, heads_major=False) -> None:
+    """out (`dtype`: "bfloat16" or "float16") <- scale * the fp32 accumulator `acc` summed over each
+    group of `group` heads (flash_bwd_convert_kernel, which other kernel families use too): see
+    _convert, with the accumulator's columns and rows in order."""
+    _convert(KernelConfig(BWD_CONVERT, SHORT_DTYPE[dtype], warps=8), device_id, stream, acc, out, batch, seqlen, nheads,
+             head_dim, group, scale, heads_major)
 
 
 def _convert(config, device_id, stream, acc: TensorInfo, out: TensorInfo, batch, seqlen, nheads, head_dim, group,

@@ -1,0 +1,184 @@
+"""The Hopper backward (kernels_cu/wgmma/flash_bwd_sm90.cu): what it runs, its parameter struct,
+the launches.
+
+Three launches: flash_bwd_rows_sm90 (LSE in log2 units and D = rowsum(dO * O), padded to whole
+query blocks), flash_bwd_sm90 (one CTA per 128 keys: dK, dV, and dQ added to a zeroed fp32
+accumulator), and the mma.sync family's conversion of the fp32 accumulators (dQ scaled; with GQA,
+dK and dV summed over each group of query heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import struct
+
+import numpy as np
+
+from ...problem.features import AttentionProblem
+from ...problem.tensors import SHORT_DTYPE, SUPPORTED_DTYPES
+from ...runtime import launcher, tensor_maps
+from ..mma_sync import convert_accumulator
+from .forward import ARCH, HANG_CHECK_VARIABLE, hang_check
+
+SOURCE = "wgmma/flash_bwd_sm90.cu"
+HEAD_DIM = 128  # the one head dim the kernel is built for (its two 64-column panels split dQ's columns)
+BLOCK_N = 128  # keys per CTA
+BLOCK_M = 64  # query rows per step
+THREADS = 384
+# BwdParams (flash_bwd_sm90.cu): 4 maps, 5 pointers, 6 i64 strides, 5 ints, 2 floats, padding to 640.
+PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqqiiiiiff12x")
+#: CUFLASH2_WGMMA_BACKWARD=1 lets the Hopper backward run the calls it supports. Off by default:
+#: it has been checked against the mma.sync backward and an fp32 reference, not yet through the
+#: whole GPU test suite and the sanitizers.
+ENABLE_VARIABLE = "CUFLASH2_WGMMA_BACKWARD"
+_KV_BYTES = BLOCK_N * 128 * 2
+_Q_BYTES = BLOCK_M * 128 * 2
+SMEM_BYTES = 2 * _KV_BYTES + 4 * _Q_BYTES + 2 * BLOCK_N * 128 + 4 * BLOCK_M * 4 + 64 + 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaBwdConfig:
+    """One instantiation of flash_bwd_sm90 (the kernel-config interface of the compiler)."""
+
+    causal: bool
+    dtype: str
+    gqa: bool  # dK, dV per query head in fp32 (summed over each group afterwards)
+    hang_check: bool = False
+
+    source_file = SOURCE
+    threads = THREADS
+    smem_bytes = SMEM_BYTES
+    head_dim = HEAD_DIM
+
+    def template_name(self) -> str:
+        flag = {True: "true", False: "false"}
+        return f"flash_bwd_sm90<{flag[self.causal]}, {flag[self.dtype == 'bfloat16']}, {flag[self.gqa]}>"
+
+    def short_id(self) -> str:
+        return (f"wgmma_bwd_d{HEAD_DIM}_{'causal' if self.causal else 'full'}_{SHORT_DTYPE[self.dtype]}"
+                f"{'_gqa' if self.gqa else ''}{'_hangcheck' if self.hang_check else ''}")
+
+    def compile_options(self) -> tuple[str, ...]:
+        return ("-arch=sm_90a",) + (("-DCF_HANG_CHECK",) if self.hang_check else ())
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaRowsConfig:
+    """flash_bwd_rows_sm90: the padded per-row inputs of the backward."""
+
+    dtype: str
+
+    source_file = SOURCE
+    threads = 256
+    smem_bytes = 0
+
+    def template_name(self) -> str:
+        return f"flash_bwd_rows_sm90<{'true' if self.dtype == 'bfloat16' else 'false'}>"
+
+    def short_id(self) -> str:
+        return f"wgmma_bwd_rows_{SHORT_DTYPE[self.dtype]}"
+
+    def compile_options(self) -> tuple[str, ...]:
+        return ("-arch=sm_90a",)
+
+
+def all_configs() -> list:
+    """Every instantiation a call can pick (the compile check builds them all)."""
+    return [WgmmaBwdConfig(causal, dtype, gqa) for dtype in SUPPORTED_DTYPES for causal in (False, True)
+            for gqa in (False, True)] + [WgmmaRowsConfig(dtype) for dtype in SUPPORTED_DTYPES]
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_VARIABLE, "") not in ("", "0")
+
+
+def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool, tensors=()) -> str:
+    """Why the Hopper backward does not run a call ("" when it does)."""
+    shape = problem.shape
+    if not enabled():
+        return f"opt-in while it is validated ({ENABLE_VARIABLE}=1)"
+    if arch != ARCH:
+        return f"needs compute capability 9.0 (sm_90a), got {arch // 10}.{arch % 10}"
+    if shape.dtype not in SUPPORTED_DTYPES:
+        return f"needs float16 or bfloat16 inputs, got {shape.dtype}"
+    if shape.head_dim != HEAD_DIM:
+        return f"runs head dim {HEAD_DIM} only, got {shape.head_dim}"
+    if not problem.plain or problem.features.varlen:
+        return "runs plain and causal attention only (no window, softcap, ALiBi, dropout or varlen)"
+    if deterministic:
+        return "adds dQ in no fixed order (deterministic=True: the mma.sync backward)"
+    for name, t in tensors:
+        if name in ("dq", "dk", "dv", "softmax_lse"):
+            continue
+        if t.strides[-1] != 1 or not tensor_maps.strides_fit(t.data_ptr, [s * t.itemsize for s in t.strides[:-1]],
+                                                             t.shape[:-1]):
+            return (f"needs {name} with a 16-byte aligned base and strides that are multiples of 8 elements, "
+                    f"got strides {tuple(t.strides)} at 0x{t.data_ptr:x}")
+    for name, t in tensors:
+        if name in ("dk", "dv") and (t.strides[-1] != 1 or t.data_ptr % 4 or any(s % 2 for s in t.strides[:-1])):
+            return f"needs {name} with 4-byte aligned column pairs, got strides {tuple(t.strides)}"
+    return ""
+
+
+def _map(t, address: int, rows: int, batch: int, seqlen: int, heads: int) -> bytes:
+    return tensor_maps.encode_tiled(t.dtype, address, (HEAD_DIM, seqlen, heads, batch),
+                                    (t.strides[1] * 2, t.strides[2] * 2, t.strides[0] * 2), (64, rows, 1, 1))
+
+
+def _i64(x):
+    return np.int64(x)
+
+
+def _i32(x):
+    return np.int32(x)
+
+
+def _ptr(x):
+    return np.uint64(x)
+
+
+def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, device_id: int, stream,
+             config: WgmmaBwdConfig | None = None) -> None:
+    """dq, dk, dv <- the gradients (TensorInfos, (batch, seqlen, heads, head_dim); lse (batch, heads,
+    seqlen_q) fp32 contiguous), queued on `stream`."""
+    shape = problem.shape
+    b, sq, sk, h, hk = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv
+    gqa = shape.kv_group > 1
+    config = config or WgmmaBwdConfig(bool(problem.causal), shape.dtype, gqa, hang_check())
+    m_blocks = math.ceil(sq / BLOCK_M)
+    padded = m_blocks * BLOCK_M
+    lse_log2, lse_log2_i = launcher.scratch((b, h, padded))
+    delta, delta_i = launcher.scratch((b, h, padded))
+    rows = WgmmaRowsConfig(shape.dtype)
+    launcher.launch_kernel(rows, device_id, stream, (math.ceil(padded / 32), h, b),
+                           (_ptr(dout.data_ptr), _ptr(out.data_ptr), _ptr(lse.data_ptr), _ptr(lse_log2_i.data_ptr),
+                            _ptr(delta_i.data_ptr), *map(_i64, dout.strides[:3]), *map(_i64, out.strides[:3]),
+                            _i32(sq), _i32(h), _i32(m_blocks)))
+    dq_acc, dq_acc_i = launcher.scratch((b, h, padded, HEAD_DIM), zero=True)
+    if gqa:  # per query head, summed over each group by the conversion
+        (dk_acc, dk_t), (dv_acc, dv_t) = (launcher.scratch((b, sk, h, HEAD_DIM)) for _ in range(2))
+    else:
+        dk_acc = dv_acc = None
+        dk_t, dv_t = dk, dv
+    scale = shape.softmax_scale
+
+    def build(addresses) -> tuple:
+        q_at, k_at, v_at, do_at, lse_at, delta_at, dq_at, dk_at, dv_at = addresses
+        return (_map(q, q_at, BLOCK_M, b, sq, h), _map(k, k_at, BLOCK_N, b, sk, hk), _map(v, v_at, BLOCK_N, b, sk, hk),
+                _map(dout, do_at, BLOCK_M, b, sq, h), lse_at, delta_at, dq_at, dk_at, dv_at,
+                dk_t.strides[0], dk_t.strides[1], dk_t.strides[2], dv_t.strides[0], dv_t.strides[1], dv_t.strides[2],
+                sq, sk, h, shape.kv_group, m_blocks, scale * math.log2(math.e), scale)
+
+    arguments = launcher.StructArguments(PARAMS, (q, k, v, dout, lse_log2_i, delta_i, dq_acc_i, dk_t, dv_t), build)
+    launcher.launch_struct_kernel(config, device_id, stream, (math.ceil(sk / BLOCK_N), h, b), arguments)
+    convert_accumulator(shape.dtype, device_id, stream, dq_acc_i, dq, b, sq, h, HEAD_DIM, 1, scale, heads_major=True)
+    if gqa:
+        for acc, grad in ((dk_t, dk), (dv_t, dv)):
+            convert_accumulator(shape.dtype, device_id, stream, acc, grad, b, sk, hk, HEAD_DIM, shape.kv_group, 1.0)
+    del lse_log2, delta, dq_acc, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
+
+
+__all__ = ["ENABLE_VARIABLE", "HANG_CHECK_VARIABLE", "PARAMS", "WgmmaBwdConfig", "WgmmaRowsConfig", "all_configs",
+           "backward", "enabled", "unsupported_reason"]

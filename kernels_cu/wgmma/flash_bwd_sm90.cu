@@ -1,0 +1,381 @@
+// FlashAttention-2 backward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
+//
+// One CTA per block of 128 keys (and head, batch) walks the query blocks that see those keys, 64
+// rows at a time. Warpgroup 0 is the producer: one thread loads the CTA's K and V once and the Q
+// and dO blocks into a two-stage pipeline. Each of the two consumer warpgroups owns 64 of the keys
+// and, per query block, computes
+//   S^T = K Q^T and dP^T = V dO^T                  (keys as rows: both operands in shared memory)
+//   P^T = exp2(S^T * scale_log2 - LSE_log2)         (the forward's softmax, from its LSE)
+//   dS^T = P^T * (dP^T - D),  D = rowsum(dO * O)   (both per query row from flash_bwd_rows_sm90,
+//                                                   loaded with Q and dO)
+//   dV += P^T dO,  dK += dS^T Q                    (P^T, dS^T straight from registers: the
+//                                                   accumulator layout is the A-operand layout)
+//   dQ[:, its 64 columns] = dS K                   (dS of both groups through shared memory)
+// and adds its dQ part to an fp32 accumulator in global memory; flash_bwd_convert_kernel scales and
+// converts it afterwards (and, for GQA, sums the per-query-head dK and dV written here in fp32).
+// Head dim 128 (two 64-column panels: the dQ columns split between the groups).
+#include "wgmma/wgmma_ops.cuh"
+
+struct BwdParams {
+    TensorMap q_map, k_map, v_map, do_map;  // (head_dim, seqlen, heads, batch); Q/dO boxes {64, 64}, K/V {64, 128}
+    const float* lse_log2;                  // (batch, heads, m_blocks * 64): LSE * log2(e), +inf past seqlen_q
+    const float* delta;                     // (batch, heads, m_blocks * 64): rowsum(dO * O), 0 past seqlen_q
+    float* dq_acc;                          // (batch, heads, m_blocks * 64, head_dim) fp32, zero at launch
+    void* dk;                               // bf16/fp16 (batch, seqlen_k, kv heads, head_dim) by its strides, or
+    void* dv;                               //   with GQA fp32 (batch, seqlen_k, heads, head_dim) contiguous
+    i64 dk_batch_stride, dk_row_stride, dk_head_stride;
+    i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+    int seqlen_q, seqlen_k, nheads, kv_group, m_blocks;
+    float scale_log2;                       // softmax_scale * log2(e)
+    float softmax_scale;
+};
+static_assert(sizeof(BwdParams) == 640, "BwdParams: host layout (4 maps, 5 pointers, 6 i64, 5 int, 2 float)");
+
+namespace bwd {
+
+constexpr int kHeadDim = 128, kPanels = 2;
+constexpr int kBlockN = 128;  // keys per CTA: 64 per consumer warpgroup
+constexpr int kBlockM = 64;   // query rows per step
+constexpr int kStages = 2;
+constexpr int kThreads = 384;
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * (65536 / kThreads / 8 * 8),
+              "register reallocation exceeds the block's registers: setmaxnreg.inc would never return");
+
+// Shared memory (1024-byte aligned pieces, 128-byte rows per 64-column panel, 128-byte swizzle).
+constexpr int kKVBytes = kBlockN * 128 * kPanels;  // 32 KB
+constexpr int kQBytes = kBlockM * 128 * kPanels;   // 16 KB per stage (Q or dO)
+constexpr int kDsBytes = kBlockN * 128;            // dS^T: 128 key rows x 64 query columns
+constexpr int kRowBytes = kBlockM * 4;             // LSE_log2 or D of a query block
+constexpr int kK = 0, kV = kK + kKVBytes, kQ = kV + kKVBytes, kDO = kQ + kStages * kQBytes,
+              kDs = kDO + kStages * kQBytes, kLse = kDs + 2 * kDsBytes, kDelta = kLse + kStages * kRowBytes,
+              kBarriers = kDelta + kStages * kRowBytes;
+constexpr int kSmemBytes = kBarriers + 64 + 1024;  // + the alignment slack of the base
+static_assert(kSmemBytes <= 227 * 1024, "shared memory: the tiles exceed 227 KB");
+
+enum : int { kDsBarrier = 1 };  // named barrier: both consumer groups' dS^T are in shared memory
+
+struct Barriers {
+    u32 base;
+    CF_DEVICE u32 kv_full() const { return base; }
+    CF_DEVICE u32 qdo_full(int stage) const { return base + 8 + 8 * stage; }
+    CF_DEVICE u32 qdo_empty(int stage) const { return base + 8 + 8 * (kStages + stage); }
+};
+
+// Query blocks that see some key of key block n_block: [first, m_blocks).
+template <bool kCausal>
+CF_DEVICE int first_query_block(int n_block, const BwdParams& p) {
+    if (!kCausal) return 0;
+    const int first_row = n_block * kBlockN - (p.seqlen_k - p.seqlen_q);  // the first row that sees the first key
+    return first_row <= 0 ? 0 : first_row / kBlockM;
+}
+
+// ---- producer ------------------------------------------------------------------------------------
+// `bytes` (a multiple of 16, from a 16-byte aligned address) into shared memory, completing on `bar`.
+CF_DEVICE void bulk_load(u32 dst, const float* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+template <bool kCausal>
+CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch) {
+    tma_prefetch_map(&p.q_map);
+    tma_prefetch_map(&p.do_map);
+    const int kv_head = head / p.kv_group;
+    mbarrier_arrive_expect_bytes(bars.kv_full(), 2 * kKVBytes);
+#pragma unroll
+    for (int panel = 0; panel < kPanels; ++panel) {
+        tma_load_4d(smem + kK + panel * kBlockN * 128, &p.k_map, bars.kv_full(), panel * 64, n_block * kBlockN,
+                    kv_head, batch, kEvictLast);
+        tma_load_4d(smem + kV + panel * kBlockN * 128, &p.v_map, bars.kv_full(), panel * 64, n_block * kBlockN,
+                    kv_head, batch, kEvictLast);
+    }
+    const int first = first_query_block<kCausal>(n_block, p);
+    for (int m = first, it = 0; m < p.m_blocks; ++m, ++it) {
+        const int stage = it % kStages;
+        mbarrier_wait(bars.qdo_empty(stage), ((it / kStages) & 1) ^ 1);
+        mbarrier_arrive_expect_bytes(bars.qdo_full(stage), 2 * kQBytes + 2 * kRowBytes);
+        const i64 rows = ((i64)batch * p.nheads + head) * p.m_blocks * kBlockM + m * kBlockM;
+        bulk_load(smem + kLse + stage * kRowBytes, p.lse_log2 + rows, kRowBytes, bars.qdo_full(stage));
+        bulk_load(smem + kDelta + stage * kRowBytes, p.delta + rows, kRowBytes, bars.qdo_full(stage));
+#pragma unroll
+        for (int panel = 0; panel < kPanels; ++panel) {
+            tma_load_4d(smem + kQ + stage * kQBytes + panel * kBlockM * 128, &p.q_map, bars.qdo_full(stage),
+                        panel * 64, m * kBlockM, head, batch, kEvictLast);
+            tma_load_4d(smem + kDO + stage * kQBytes + panel * kBlockM * 128, &p.do_map, bars.qdo_full(stage),
+                        panel * 64, m * kBlockM, head, batch, kEvictLast);
+        }
+    }
+}
+
+// ---- consumer: the GEMMs -------------------------------------------------------------------------
+// X^T = A_g B^T for this group's 64 keys (A: K or V, 128 key rows) against the 64 query rows of a Q
+// or dO stage (B), both K-major: 16 head-dim columns per wgmma.
+template <bool kBf16>
+CF_DEVICE void issue_transposed_scores(float (&acc)[32], u32 keys, u32 queries) {
+    const u64 a_desc = smem_descriptor(keys, 16, 1024), b_desc = smem_descriptor(queries, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const u32 a = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+        const u32 b = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+        Wgmma<kBlockM, kBf16>::template ss<0, 0>(acc, a_desc + (a >> 4), b_desc + (b >> 4), kk > 0);
+    }
+}
+
+// acc (64 keys x head_dim) += X^T Y: X^T from registers (16 query rows per wgmma), Y a Q or dO stage
+// MN-major (its two 64-column panels kBlockM * 128 bytes apart).
+template <bool kBf16>
+CF_DEVICE void issue_key_gradient(float (&acc)[64], const u32 (&xa)[kBlockM / 16][4], u32 rows) {
+    const u64 desc = smem_descriptor(rows, kBlockM * 128, 1024);
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) Wgmma<kHeadDim, kBf16>::template rs<1>(acc, xa[kk], desc + kk * (2048 >> 4), 1);
+}
+
+// dQ (64 query rows x the group's 64 head-dim columns) = dS K: dS from the dS^T tile (MN-major A:
+// the query index runs along its rows), K's panel `group` MN-major; 16 keys per wgmma.
+template <bool kBf16>
+CF_DEVICE void issue_query_gradient(float (&acc)[32], u32 ds_tile, u32 k_panel) {
+    const u64 a_desc = smem_descriptor(ds_tile, kBlockN * 128, 1024), b_desc = smem_descriptor(k_panel, kBlockN * 128, 1024);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+        Wgmma<64, kBf16>::template ss<1, 1>(acc, a_desc + kk * (2048 >> 4), b_desc + kk * (2048 >> 4), kk > 0);
+}
+
+// ---- consumer: the elementwise part --------------------------------------------------------------
+CF_DEVICE float2 ld_shared_f32x2(u32 addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+    return v;
+}
+
+// Accumulator layout of a 64 x 64 tile (keys x queries here): register 4j + 2r + e holds key row
+// 16 warp + lane/4 + 8r, query column 8j + 2 (lane%4) + e.
+template <bool kCausal>
+CF_DEVICE void probabilities(float (&s)[32], const int (&key)[2], int query0, int lane, const BwdParams& p,
+                             u32 lse_rows) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float2 lse = ld_shared_f32x2(lse_rows + (8 * j + 2 * (lane % 4)) * 4);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int query = query0 + 8 * j + 2 * (lane % 4) + e;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const bool visible = key[r] < p.seqlen_k && (!kCausal || key[r] <= query + p.seqlen_k - p.seqlen_q);
+                float& x = s[4 * j + 2 * r + e];
+                x = visible ? fast_exp2(fmaf(x, p.scale_log2, -(e ? lse.y : lse.x))) : 0.f;
+            }
+        }
+    }
+}
+
+// dP^T becomes dS^T = P^T (dP^T - D).
+CF_DEVICE void score_gradients(float (&dp)[32], const float (&prob)[32], int lane, u32 delta_rows) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float2 d = ld_shared_f32x2(delta_rows + (8 * j + 2 * (lane % 4)) * 4);
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                dp[4 * j + 2 * r + e] = prob[4 * j + 2 * r + e] * (dp[4 * j + 2 * r + e] - (e ? d.y : d.x));
+    }
+}
+
+template <bool kBf16>
+CF_DEVICE void pack_operand(const float (&x)[32], u32 (&xa)[4][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) xa[kk][i] = Element16<kBf16>::pack(x[8 * kk + 2 * i], x[8 * kk + 2 * i + 1]);
+}
+
+// This thread's dS^T values into the dS^T tile (row = key within the CTA's 128, 64 query columns =
+// one 128-byte swizzled panel row), as the dQ product reads it.
+CF_DEVICE void store_score_gradients(u32 ds_tile, const u32 (&dsa)[4][4], int key_row0, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = key_row0 + 8 * r;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            // Columns 8j + 2 (lane%4) + {0, 1} of row r: packed pair i = 2 (j%2) + r of k-step j/2.
+            const u32 value = dsa[j / 2][2 * (j % 2) + r];
+            const u32 addr = ds_tile + row * 128 + ((j ^ (row % 8)) * 16) + (lane % 4) * 4;
+            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(value) : "memory");
+        }
+    }
+}
+
+CF_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+CF_DEVICE void red_add_pair(float* address, float a, float b) {
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(address), "f"(a), "f"(b) : "memory");
+}
+
+// dQ accumulator rows query0 + 16 warp + lane/4 (+8), the group's 64 columns.
+CF_DEVICE void add_query_gradient(const float (&dq)[32], float* rows, int group, int warp, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float* row = rows + (16 * warp + lane / 4 + 8 * r) * kHeadDim + group * 64;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) red_add_pair(row + 8 * j + 2 * (lane % 4), dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+    }
+}
+
+// This thread's two rows of dK or dV: 16-bit pairs into the gradient, or fp32 pairs into the
+// per-query-head accumulator (GQA).
+template <bool kBf16, bool kGqa>
+CF_DEVICE void store_key_gradient(const float (&acc)[64], float scale, void* base, i64 batch_stride, i64 row_stride,
+                                  i64 head_stride, const int (&key)[2], int head, int batch, int lane,
+                                  const BwdParams& p) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (key[r] >= p.seqlen_k) continue;
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+            const int col = 8 * j + 2 * (lane % 4);
+            const float lo = acc[4 * j + 2 * r] * scale, hi = acc[4 * j + 2 * r + 1] * scale;
+            if constexpr (kGqa) {
+                float* out = static_cast<float*>(base) + (((i64)batch * p.seqlen_k + key[r]) * p.nheads + head) * kHeadDim;
+                *reinterpret_cast<float2*>(out + col) = make_float2(lo, hi);
+            } else {
+                u16* out = static_cast<u16*>(base) + batch * batch_stride + key[r] * row_stride + (head / p.kv_group) * head_stride;
+                *reinterpret_cast<u32*>(out + col) = Element16<kBf16>::pack(lo, hi);
+            }
+        }
+    }
+}
+
+template <bool kCausal, bool kBf16, bool kGqa>
+CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, int n_block, int head,
+                       int batch) {
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int key_row0 = group * 64 + 16 * warp + lane / 4;  // within the CTA's keys
+    const int key[2] = {n_block * kBlockN + key_row0, n_block * kBlockN + key_row0 + 8};
+    const u32 k_rows = smem + kK + group * 64 * 128, v_rows = smem + kV + group * 64 * 128;
+    float* dq_rows = p.dq_acc + ((i64)batch * p.nheads + head) * p.m_blocks * kBlockM * kHeadDim;
+    float dv[64], dk[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) dv[i] = dk[i] = 0.f;
+    mbarrier_wait(bars.kv_full(), 0);
+    const int first = first_query_block<kCausal>(n_block, p);
+    for (int m = first, it = 0; m < p.m_blocks; ++m, ++it) {
+        const int stage = it % kStages;
+        const u32 q_tile = smem + kQ + stage * kQBytes, do_tile = smem + kDO + stage * kQBytes;
+        const u32 ds_tile = smem + kDs + (it % 2) * kDsBytes;
+        const int query0 = m * kBlockM;
+        float s[32], dp[32];
+        mbarrier_wait(bars.qdo_full(stage), (it / kStages) & 1);
+        wgmma_fence();
+        issue_transposed_scores<kBf16>(s, k_rows, q_tile);
+        wgmma_commit();
+        issue_transposed_scores<kBf16>(dp, v_rows, do_tile);
+        wgmma_commit();
+        wgmma_wait<1>();
+        register_fence(s);
+        probabilities<kCausal>(s, key, query0, lane, p, smem + kLse + stage * kRowBytes);
+        wgmma_wait<0>();
+        register_fence(dp);
+        score_gradients(dp, s, lane, smem + kDelta + stage * kRowBytes);
+        u32 pa[4][4], dsa[4][4];
+        pack_operand<kBf16>(s, pa);
+        pack_operand<kBf16>(dp, dsa);
+        store_score_gradients(ds_tile, dsa, key_row0, lane);
+        register_fence(dv);
+        register_fence(dk);
+        register_fence(pa);
+        register_fence(dsa);
+        wgmma_fence();
+        issue_key_gradient<kBf16>(dv, pa, do_tile);
+        issue_key_gradient<kBf16>(dk, dsa, q_tile);
+        wgmma_commit();
+        fence_proxy_async();  // the dS^T stores, before the async proxy (wgmma) reads them
+        named_barrier_sync<kDsBarrier, 256>();
+        // dV and dK complete before dQ starts: P^T and dS^T (their A operands) are then free, so
+        // that dV, dK and dQ fit the 240 registers together.
+        wgmma_wait<0>();
+        register_fence(dv);
+        register_fence(dk);
+        register_fence(pa);
+        register_fence(dsa);
+        float dq[32];
+        wgmma_fence();
+        issue_query_gradient<kBf16>(dq, ds_tile, smem + kK + group * kBlockN * 128);
+        wgmma_commit();
+        wgmma_wait<0>();
+        register_fence(dq);
+        if (lane == 0) mbarrier_arrive(bars.qdo_empty(stage));
+        add_query_gradient(dq, dq_rows + (i64)query0 * kHeadDim, group, warp, lane);
+    }
+    store_key_gradient<kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
+                                    key, head, batch, lane, p);
+    store_key_gradient<kBf16, kGqa>(dv, 1.f, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, key, head,
+                                    batch, lane, p);
+}
+
+}  // namespace bwd
+
+template <bool kCausal, bool kBf16, bool kGqa>
+__global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParams p) {
+    using namespace bwd;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 smem = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const Barriers bars{smem + kBarriers};
+    const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    if (threadIdx.x == 0) {
+        mbarrier_init(bars.kv_full(), 1);
+        for (int s = 0; s < kStages; ++s) {
+            mbarrier_init(bars.qdo_full(s), 1);
+            mbarrier_init(bars.qdo_empty(s), 8);  // one arrival per consumer warp
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+    const int group = threadIdx.x / 128;
+    if (group == 0) {
+        registers_release<kProducerRegs>();
+        if (threadIdx.x == 0) produce<kCausal>(p, smem, bars, n_block, head, batch);
+    } else {
+        registers_claim<kConsumerRegs>();
+        consume<kCausal, kBf16, kGqa>(p, smem, bars, group - 1, n_block, head, batch);
+    }
+}
+
+// The per-query-row inputs of flash_bwd_sm90, padded to whole query blocks (so that its producer
+// copies a block's 256 bytes with one bulk copy): lse_log2 = LSE * log2(e) and D = rowsum(dO * O),
+// +inf and 0 past seqlen_q. 8 lanes per row, 16 columns (two 16-byte loads of dO and of O) each.
+// Grid (row blocks of 32, heads, batch); 256 threads.
+template <bool kBf16>
+__global__ void __launch_bounds__(256)
+    flash_bwd_rows_sm90(const u16* __restrict__ dout, const u16* __restrict__ out, const float* __restrict__ lse,
+                        float* __restrict__ lse_log2, float* __restrict__ delta, i64 do_batch_stride,
+                        i64 do_row_stride, i64 do_head_stride, i64 o_batch_stride, i64 o_row_stride,
+                        i64 o_head_stride, int seqlen_q, int nheads, int m_blocks) {
+    using T = Element16<kBf16>;
+    const int lane8 = threadIdx.x % 8, row = blockIdx.x * 32 + threadIdx.x / 8, head = blockIdx.y, batch = blockIdx.z;
+    const int padded = m_blocks * bwd::kBlockM;
+    if (row >= padded) return;
+    float acc = 0.f;
+    if (row < seqlen_q) {
+        const u16* dop = dout + batch * do_batch_stride + row * do_row_stride + head * do_head_stride + lane8 * 16;
+        const u16* op = out + batch * o_batch_stride + row * o_row_stride + head * o_head_stride + lane8 * 16;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const uint4 a = *reinterpret_cast<const uint4*>(dop + 8 * half);
+            const uint4 b = *reinterpret_cast<const uint4*>(op + 8 * half);
+            const u16* ah = reinterpret_cast<const u16*>(&a);
+            const u16* bh = reinterpret_cast<const u16*>(&b);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(T::to_float(ah[e]), T::to_float(bh[e]), acc);
+        }
+    }
+    acc += shfl_xor(acc, 1);
+    acc += shfl_xor(acc, 2);
+    acc += shfl_xor(acc, 4);
+    if (lane8 == 0) {
+        const i64 at = ((i64)batch * nheads + head) * padded + row;
+        delta[at] = acc;
+        lse_log2[at] = row < seqlen_q ? lse[((i64)batch * nheads + head) * seqlen_q + row] * 1.4426950408889634f
+                                      : CF_INF;
+    }
+}
