@@ -294,3 +294,5 @@ def test_the_backward_runs_head_dim_128_and_leaves_the_rest(monkeypatch):
                                                               grads)
     odd = [("dk", _bshd(strides=(256 * 4 * 129, 4 * 129, 129, 1)))]
     assert "4-byte aligned" in wgmma_bwd.unsupported_reason(90, _problem(), False, odd)
+    narrow_dq = [("dq", _bshd(ptr=(1 << 20) + 4))]  # the conversion stores 8-byte pieces of 16-byte rows
+    assert "dq" in wgmma_bwd.unsupported_reason(90, _problem(), False, narrow_dq)
