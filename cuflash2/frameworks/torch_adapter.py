@@ -323,7 +323,7 @@ def forward(q, k, v, options: AttentionOptions, alibi_slopes, out=None, seed_giv
     scale = softmax_scale_or_default(options.softmax_scale, q.shape[-1])
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes: expected a torch tensor like q, got {type(alibi_slopes).__name__}")
-    dropout = _with_rng_state(options.dropout, seed_given, q.device)
+    dropout = options.dropout if options.dropout.p == 0 else _with_rng_state(options.dropout, seed_given, q.device)
     window = options.window
     flat = (scale, bool(options.causal), int(window[0]), int(window[1]), float(options.softcap), alibi_slopes,
             float(dropout.p), int(dropout.seed), bool(options.deterministic), dropout.rng_state)
@@ -332,7 +332,7 @@ def forward(q, k, v, options: AttentionOptions, alibi_slopes, out=None, seed_giv
     elif _needs_graph(q, k, v):
         result, lse = _EagerAttention.apply(q, k, v, flat)
     else:
-        result, lse = _fwd_impl(q, k, v, *flat)
+        result, lse, _ = _forward(q, k, v, *flat)
     if out is not None:
         out.copy_(result)
         result = out
