@@ -109,8 +109,11 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
         return "runs plain and causal attention only (no window, softcap, ALiBi, dropout or varlen)"
     if deterministic:
         return "adds dQ in no fixed order (deterministic=True: the mma.sync backward)"
-    for name, t in tensors:  # TMA maps (q, k, v, dout), 16-byte loads (out), 8-byte stores (dq's conversion)
-        if name in ("dk", "dv", "softmax_lse"):
+    # TMA maps (q, k, v, dout), 16-byte loads (out), 8-byte stores (the conversion of dq, and of dk
+    # and dv with GQA); without GQA the kernel stores dk and dv in 4-byte pairs itself.
+    converted = ("dq", "dk", "dv") if shape.kv_group > 1 else ("dq",)
+    for name, t in tensors:
+        if name == "softmax_lse" or (name in ("dk", "dv") and name not in converted):
             continue
         if t.strides[-1] != 1 or not tensor_maps.strides_fit(t.data_ptr, [s * t.itemsize for s in t.strides[:-1]],
                                                              t.shape[:-1]):
