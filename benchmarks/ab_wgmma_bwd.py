@@ -1,0 +1,103 @@
+"""A/B of the Hopper backward (the wgmma family, head dim 128) beside torch SDPA's cuDNN and flash
+backends, kernel level: the family's backward entry on described tensors, in one process with the
+same inputs, so that a kernel change is judged against the code before it. Needs an sm_90 GPU and
+torch. Example (the previous kernel saved under kernels_cu/ first):
+
+    git show HEAD~1:kernels_cu/wgmma/flash_bwd_sm90.cu > kernels_cu/wgmma/flash_bwd_sm90_base.cu
+    python benchmarks/ab_wgmma_bwd.py --baseline wgmma/flash_bwd_sm90_base.cu --seqlen 2048,8192 --causal
+
+FLOPs follow FA2's convention (2.5x the forward's).
+"""
+
+import argparse
+import dataclasses
+import math
+import statistics
+
+import cupy as cp
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import cuflash2
+from cuflash2.families.wgmma import backward as wgmma_bwd
+from cuflash2.problem.features import AttentionProblem
+from cuflash2.problem.tensors import AttentionShape
+from cuflash2.runtime.tensors import TensorInfo
+
+
+def info(t: torch.Tensor) -> TensorInfo:
+    return TensorInfo(tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""), "cuda:0",
+                      t.data_ptr(), t.element_size())
+
+
+def tflops(fn, flops: float, rounds: int = 5) -> float:
+    """Median over rounds of back-to-back calls between CUDA events (enough calls for ~2 ms)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    calls = max(3, min(30, int(2e12 / flops)))
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return flops / statistics.median(times) / 1e9
+
+
+def with_source(config, source_file: str):
+    """`config` built from another kernel source file (a subclass: its kernels are cached apart)."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Baseline(type(config)):
+        pass
+
+    Baseline.source_file = source_file
+    return Baseline(**dataclasses.asdict(config))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqlen", default="2048,8192", help="comma list; batch = 16384 // seqlen, 16 heads")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--heads-kv", type=int, default=16)
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--baseline", default="", help="kernel source (relative to kernels_cu/) to compare with")
+    args = parser.parse_args()
+    d, h, dtype = wgmma_bwd.HEAD_DIM, 16, getattr(torch, args.dtype)
+    stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    for s in map(int, args.seqlen.split(",")):
+        b = max(1, 16384 // s)
+        q, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(b, s, args.heads_kv, d, device="cuda", dtype=dtype) for _ in range(2))
+        out, lse = cuflash2.flash_attn_forward(q, k, v, causal=args.causal)
+        grads = [torch.empty_like(x) for x in (q, k, v)]
+        shape = AttentionShape(b, s, s, h, args.heads_kv, d, args.dtype, 1 / math.sqrt(d))
+        problem = AttentionProblem(shape, args.causal)
+        infos = [info(x) for x in (dout, q, k, v, out, lse, *grads)]
+        flops = 2.5 * 4 * b * h * s * s * d / (2 if args.causal else 1)
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+        def sdpa(backend):
+            with sdpa_kernel(backend):
+                result = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in leaves), is_causal=args.causal,
+                                                        enable_gqa=args.heads_kv != h).transpose(1, 2)
+            return lambda: torch.autograd.grad(result, leaves, dout, retain_graph=True)
+
+        line = (f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: cuDNN {tflops(sdpa(SDPBackend.CUDNN_ATTENTION), flops):6.1f}"
+                f" | FA2 {tflops(sdpa(SDPBackend.FLASH_ATTENTION), flops):6.1f}")
+        config = wgmma_bwd.WgmmaBwdConfig(args.causal, args.dtype, args.heads_kv != h)
+        variants = [("", config)] + ([("base ", with_source(config, args.baseline))] if args.baseline else [])
+        for label, variant in variants:
+            run = lambda: wgmma_bwd.backward(problem, *infos, 0, stream, config=variant)  # noqa: E731
+            with stream:  # its scratch (CuPy's pool) on the same stream
+                line += f" | {label}wgmma {tflops(run, flops):6.1f}"
+        print(line + " TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
