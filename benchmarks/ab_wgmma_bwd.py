@@ -10,54 +10,18 @@ FLOPs follow FA2's convention (2.5x the forward's).
 """
 
 import argparse
-import dataclasses
 import math
-import statistics
 
 import cupy as cp
 import torch
 import torch.nn.functional as F
+from ab_wgmma import info, tflops, with_source  # the forward's A/B helpers (run from benchmarks/)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cuflash2
 from cuflash2.families.wgmma import backward as wgmma_bwd
 from cuflash2.problem.features import AttentionProblem
 from cuflash2.problem.tensors import AttentionShape
-from cuflash2.runtime.tensors import TensorInfo
-
-
-def info(t: torch.Tensor) -> TensorInfo:
-    return TensorInfo(tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""), "cuda:0",
-                      t.data_ptr(), t.element_size())
-
-
-def tflops(fn, flops: float, rounds: int = 5) -> float:
-    """Median over rounds of back-to-back calls between CUDA events (enough calls for ~2 ms)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    calls = max(3, min(30, int(2e12 / flops)))
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return flops / statistics.median(times) / 1e9
-
-
-def with_source(config, source_file: str):
-    """`config` built from another kernel source file (a subclass: its kernels are cached apart)."""
-
-    @dataclasses.dataclass(frozen=True)
-    class Baseline(type(config)):
-        pass
-
-    Baseline.source_file = source_file
-    return Baseline(**dataclasses.asdict(config))
 
 
 def main():

@@ -205,19 +205,6 @@ def _attention_grads(fn, q, k, v, dout):
     return [x.grad.float() for x in (q, k, v)]
 
 
-def _torch_attention(q, k, v, causal):
-    import torch
-
-    group = q.shape[2] // k.shape[2]
-    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
-    sq, sk = q.shape[1], k.shape[1]
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
-    if causal:
-        visible = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + sk - sq
-        s = s.masked_fill(~visible, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1).nan_to_num(0.0), v)
-
-
 @hopper_only
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("b, sq, sk, h, hk, causal", [(2, 256, 256, 4, 4, False), (2, 256, 256, 4, 4, True),
@@ -228,6 +215,8 @@ def test_the_hopper_backward_matches_the_reference(monkeypatch, b, sq, sk, h, hk
     """CUFLASH2_WGMMA_BACKWARD=1 (head dim 128): gradients within 3x the error of the same math in
     16-bit torch against fp32 (FA2's rule), and the wgmma backward is the one that ran."""
     import torch
+
+    from test_torch_gpu import reference  # here: that module needs torch, the others here do not
 
     import cuflash2
     from cuflash2.families.wgmma import backward as wgmma_backward
@@ -243,9 +232,9 @@ def test_the_hopper_backward_matches_the_reference(monkeypatch, b, sq, sk, h, hk
     k, v = (torch.randn(b, sk, hk, 128, device="cuda", dtype=dt) for _ in range(2))
     got = _attention_grads(lambda x, y, z: cuflash2.flash_attn_func(x, y, z, causal=causal), q, k, v, dout)
     assert calls, "the Hopper backward did not run"
-    exact = _attention_grads(lambda x, y, z: _torch_attention(x.float(), y.float(), z.float(), causal), q, k, v,
+    exact = _attention_grads(lambda x, y, z: reference(x.float(), y.float(), z.float(), causal), q, k, v,
                              dout.float())
-    low = _attention_grads(lambda x, y, z: _torch_attention(x, y, z, causal), q, k, v, dout)
+    low = _attention_grads(lambda x, y, z: reference(x, y, z, causal), q, k, v, dout)
     for name, g, e, l in zip(("dq", "dk", "dv"), got, exact, low):
         error, allowed = (g - e).abs().max().item(), 3 * (l - e).abs().max().item() + 1e-4
         assert error <= allowed, f"{name}: error {error:.3g} > {allowed:.3g}"

@@ -185,11 +185,10 @@ def _compiling() -> bool:
     return bool(_is_compiling and _is_compiling())
 
 
-def _needs_graph(*tensors) -> bool:
+def _needs_graph(q, k, v) -> bool:
     """Whether autograd must record the call: grad mode on and one of q, k, v requires grad. Other
     eager calls (inference, torch.no_grad) skip the autograd.Function and its host cost."""
-    return torch.is_grad_enabled() and (tensors[0].requires_grad or tensors[1].requires_grad or
-                                        tensors[2].requires_grad)
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 try:

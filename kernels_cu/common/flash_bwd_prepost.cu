@@ -3,6 +3,7 @@
 #include "common/ptx.cuh"
 #include "common/dq_layout.cuh"
 #include "common/global_io.cuh"
+#include "common/row_dot.cuh"
 
 // D[b, h, i] = sum_c dO[b, i, h, c] * O[b, i, h, c] in fp32. 8 lanes per row, 16-byte loads
 // (kVecBytes-wide pieces of each 8-column chunk where rows are less aligned; zeros past head_dim).
@@ -20,20 +21,7 @@ flash_bwd_dot_do_o_kernel(const u16* __restrict__ dout, const u16* __restrict__ 
     const int head = active ? (int)(local / seqlen_q) : 0, row = active ? (int)(local % seqlen_q) : 0;
     const u16* dop = dout + batch * do_batch_stride + row * do_row_stride + head * do_head_stride;
     const u16* op = out + batch * o_batch_stride + row * o_row_stride + head * o_head_stride;
-    float acc = 0.f;
-    if (active) {
-        for (int c = lane8 * 8; c < head_dim; c += 64) {
-            Chunk16 a = load_chunk_global(dop + c, c, head_dim);
-            Chunk16 b = load_chunk_global(op + c, c, head_dim);
-            const u16* ah = reinterpret_cast<const u16*>(&a);
-            const u16* bh = reinterpret_cast<const u16*>(&b);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc = fmaf(T::to_float(ah[e]), T::to_float(bh[e]), acc);
-        }
-    }
-    acc += shfl_xor(acc, 1);
-    acc += shfl_xor(acc, 2);
-    acc += shfl_xor(acc, 4);
+    const float acc = sum_over_8_lanes(active ? row_dot_part<T>(dop, op, lane8, head_dim) : 0.f);
     if (active && lane8 == 0) delta[((i64)batch * nheads + head) * seqlen_q + row] = acc;
 }
 

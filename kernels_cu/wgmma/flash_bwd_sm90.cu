@@ -14,6 +14,7 @@
 // and adds its dQ part to an fp32 accumulator in global memory; flash_bwd_convert_kernel scales and
 // converts it afterwards (and, for GQA, sums the per-query-head dK and dV written here in fp32).
 // Head dim 128 (two 64-column panels: the dQ columns split between the groups).
+#include "common/row_dot.cuh"
 #include "wgmma/wgmma_ops.cuh"
 
 struct BwdParams {
@@ -343,7 +344,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
 
 // The per-query-row inputs of flash_bwd_sm90, padded to whole query blocks (so that its producer
 // copies a block's 256 bytes with one bulk copy): lse_log2 = LSE * log2(e) and D = rowsum(dO * O),
-// +inf and 0 past seqlen_q. 8 lanes per row, 16 columns (two 16-byte loads of dO and of O) each.
+// +inf and 0 past seqlen_q. 8 lanes per row (common/row_dot.cuh).
 // Grid (row blocks of 32, heads, batch); 256 threads.
 template <bool kBf16>
 __global__ void __launch_bounds__(256)
@@ -355,23 +356,9 @@ __global__ void __launch_bounds__(256)
     const int lane8 = threadIdx.x % 8, row = blockIdx.x * 32 + threadIdx.x / 8, head = blockIdx.y, batch = blockIdx.z;
     const int padded = m_blocks * bwd::kBlockM;
     if (row >= padded) return;
-    float acc = 0.f;
-    if (row < seqlen_q) {
-        const u16* dop = dout + batch * do_batch_stride + row * do_row_stride + head * do_head_stride + lane8 * 16;
-        const u16* op = out + batch * o_batch_stride + row * o_row_stride + head * o_head_stride + lane8 * 16;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const uint4 a = *reinterpret_cast<const uint4*>(dop + 8 * half);
-            const uint4 b = *reinterpret_cast<const uint4*>(op + 8 * half);
-            const u16* ah = reinterpret_cast<const u16*>(&a);
-            const u16* bh = reinterpret_cast<const u16*>(&b);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc = fmaf(T::to_float(ah[e]), T::to_float(bh[e]), acc);
-        }
-    }
-    acc += shfl_xor(acc, 1);
-    acc += shfl_xor(acc, 2);
-    acc += shfl_xor(acc, 4);
+    const u16* dop = dout + batch * do_batch_stride + row * do_row_stride + head * do_head_stride;
+    const u16* op = out + batch * o_batch_stride + row * o_row_stride + head * o_head_stride;
+    const float acc = sum_over_8_lanes(row < seqlen_q ? row_dot_part<T>(dop, op, lane8, bwd::kHeadDim) : 0.f);
     if (lane8 == 0) {
         const i64 at = ((i64)batch * nheads + head) * padded + row;
         delta[at] = acc;
