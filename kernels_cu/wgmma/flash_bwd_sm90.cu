@@ -83,13 +83,16 @@ CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n
     tma_prefetch_map(&p.q_map);
     tma_prefetch_map(&p.do_map);
     const int kv_head = head / p.kv_group;
+    // K and V are read by this CTA alone unless query heads share them (GQA); Q and dO by every CTA
+    // of the head.
+    const u64 kv_policy = p.kv_group > 1 ? kEvictLast : kEvictFirst;
     mbarrier_arrive_expect_bytes(bars.kv_full(), 2 * kKVBytes);
 #pragma unroll
     for (int panel = 0; panel < kPanels; ++panel) {
         tma_load_4d(smem + kK + panel * kBlockN * 128, &p.k_map, bars.kv_full(), panel * 64, n_block * kBlockN,
-                    kv_head, batch, kEvictLast);
+                    kv_head, batch, kv_policy);
         tma_load_4d(smem + kV + panel * kBlockN * 128, &p.v_map, bars.kv_full(), panel * 64, n_block * kBlockN,
-                    kv_head, batch, kEvictLast);
+                    kv_head, batch, kv_policy);
     }
     const int first = first_query_block<kCausal>(n_block, p);
     for (int m = first, it = 0; m < p.m_blocks; ++m, ++it) {
@@ -151,7 +154,15 @@ CF_DEVICE float2 ld_shared_f32x2(u32 addr) {
 
 // Accumulator layout of a 64 x 64 tile (keys x queries here): register 4j + 2r + e holds key row
 // 16 warp + lane/4 + 8r, query column 8j + 2 (lane%4) + e.
+// Whether a (query block, key block) pair has scores some query must not see: keys past seqlen_k,
+// or (causal) keys right of a query's diagonal. The others skip the per-element test.
 template <bool kCausal>
+CF_DEVICE bool block_needs_mask(int m_block, int n_block, const BwdParams& p) {
+    const int last_key = n_block * kBlockN + kBlockN - 1;
+    return last_key >= p.seqlen_k || (kCausal && last_key > m_block * kBlockM + p.seqlen_k - p.seqlen_q);
+}
+
+template <bool kCausal, bool kMasked>
 CF_DEVICE void probabilities(float (&s)[32], const int (&key)[2], int query0, int lane, const BwdParams& p,
                              u32 lse_rows) {
 #pragma unroll
@@ -162,7 +173,8 @@ CF_DEVICE void probabilities(float (&s)[32], const int (&key)[2], int query0, in
             const int query = query0 + 8 * j + 2 * (lane % 4) + e;
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const bool visible = key[r] < p.seqlen_k && (!kCausal || key[r] <= query + p.seqlen_k - p.seqlen_q);
+                const bool visible = !kMasked || (key[r] < p.seqlen_k &&
+                                                  (!kCausal || key[r] <= query + p.seqlen_k - p.seqlen_q));
                 float& x = s[4 * j + 2 * r + e];
                 x = visible ? fast_exp2(fmaf(x, p.scale_log2, -(e ? lse.y : lse.x))) : 0.f;
             }
@@ -274,7 +286,10 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         wgmma_commit();
         wgmma_wait<1>();
         register_fence(s);
-        probabilities<kCausal>(s, key, query0, lane, p, smem + kLse + stage * kRowBytes);
+        if (block_needs_mask<kCausal>(m, n_block, p))
+            probabilities<kCausal, true>(s, key, query0, lane, p, smem + kLse + stage * kRowBytes);
+        else
+            probabilities<kCausal, false>(s, key, query0, lane, p, smem + kLse + stage * kRowBytes);
         wgmma_wait<0>();
         register_fence(dp);
         score_gradients(dp, s, lane, smem + kDelta + stage * kRowBytes);
@@ -299,13 +314,14 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         register_fence(dk);
         register_fence(pa);
         register_fence(dsa);
+        // Q and dO are read: the stage goes back to the producer before dQ (which reads K and dS^T).
+        if (lane == 0) mbarrier_arrive(bars.qdo_empty(stage));
         float dq[32];
         wgmma_fence();
         issue_query_gradient<kBf16>(dq, ds_tile, smem + kK + group * kBlockN * 128);
         wgmma_commit();
         wgmma_wait<0>();
         register_fence(dq);
-        if (lane == 0) mbarrier_arrive(bars.qdo_empty(stage));
         add_query_gradient(dq, dq_rows + (i64)query0 * kHeadDim, group, warp, lane);
     }
     store_key_gradient<kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
