@@ -30,7 +30,8 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--heads-kv", type=int, default=16)
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    parser.add_argument("--baseline", default="", help="kernel source (relative to kernels_cu/) to compare with")
+    parser.add_argument("--baseline", default="",
+                        help="comma list of kernel sources (relative to kernels_cu/) to compare with")
     args = parser.parse_args()
     d, h, dtype = wgmma_bwd.HEAD_DIM, 16, getattr(torch, args.dtype)
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
@@ -55,7 +56,8 @@ def main():
         line = (f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: cuDNN {tflops(sdpa(SDPBackend.CUDNN_ATTENTION), flops):6.1f}"
                 f" | FA2 {tflops(sdpa(SDPBackend.FLASH_ATTENTION), flops):6.1f}")
         config = wgmma_bwd.WgmmaBwdConfig(args.causal, args.dtype, args.heads_kv != h)
-        variants = [("", config)] + ([("base ", with_source(config, args.baseline))] if args.baseline else [])
+        variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
+                                     for source in filter(None, args.baseline.split(","))]
         for label, variant in variants:
             run = lambda: wgmma_bwd.backward(problem, *infos, 0, stream, config=variant)  # noqa: E731
             with stream:  # its scratch (CuPy's pool) on the same stream

@@ -294,7 +294,7 @@ def test_the_backward_runs_head_dim_128_and_leaves_the_rest(monkeypatch):
                                                               grads)
     odd = [("dk", _bshd(strides=(256 * 4 * 129, 4 * 129, 129, 1)))]
     assert "4-byte aligned" in wgmma_bwd.unsupported_reason(90, _problem(), False, odd)
-    narrow_dq = [("dq", _bshd(ptr=(1 << 20) + 4))]  # the conversion stores 8-byte pieces of 16-byte rows
+    narrow_dq = [("dq", _bshd(ptr=(1 << 20) + 2))]  # the conversion stores 4-byte pairs
     assert "dq" in wgmma_bwd.unsupported_reason(90, _problem(), False, narrow_dq)
     # With GQA dk and dv come from the conversion too: 4-byte aligned pairs are not enough there.
     padded_rows = [("dk", _bshd(strides=(256 * 4 * 130, 4 * 130, 130, 1)))]

@@ -3,8 +3,9 @@ the launches.
 
 Three launches: flash_bwd_rows_sm90 (LSE in log2 units and D = rowsum(dO * O), padded to whole
 query blocks), flash_bwd_sm90 (one CTA per 128 keys: dK, dV, and dQ added to a zeroed fp32
-accumulator), and the mma.sync family's conversion of the fp32 accumulators (dQ scaled; with GQA,
-dK and dV summed over each group of query heads).
+accumulator by bulk reductions), and flash_bwd_dq_sm90 (dQ scaled and converted out of the
+accumulator's fragment order); with GQA, the mma.sync family's conversion sums dK and dV over each
+group of query heads.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqqiiiiiff12x")
 ENABLE_VARIABLE = "CUFLASH2_WGMMA_BACKWARD"
 _KV_BYTES = BLOCK_N * 128 * 2
 _Q_BYTES = BLOCK_M * 128 * 2
-SMEM_BYTES = 2 * _KV_BYTES + 4 * _Q_BYTES + 2 * BLOCK_N * 128 + 4 * BLOCK_M * 4 + 64 + 1024
+_DQ_STAGING_BYTES = BLOCK_M * HEAD_DIM * 4  # the consumer warps' dQ parts
+SMEM_BYTES = 2 * _KV_BYTES + 4 * _Q_BYTES + 2 * BLOCK_N * 128 + _DQ_STAGING_BYTES + 4 * BLOCK_M * 4 + 64 + 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +67,11 @@ class WgmmaBwdConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class WgmmaRowsConfig:
-    """flash_bwd_rows_sm90: the padded per-row inputs of the backward."""
+class WgmmaBwdPassConfig:
+    """A pass around flash_bwd_sm90: "rows" (flash_bwd_rows_sm90, the padded per-row inputs) or "dq"
+    (flash_bwd_dq_sm90, dQ out of its accumulator)."""
 
+    kernel: str
     dtype: str
 
     source_file = SOURCE
@@ -75,10 +79,10 @@ class WgmmaRowsConfig:
     smem_bytes = 0
 
     def template_name(self) -> str:
-        return f"flash_bwd_rows_sm90<{'true' if self.dtype == 'bfloat16' else 'false'}>"
+        return f"flash_bwd_{self.kernel}_sm90<{'true' if self.dtype == 'bfloat16' else 'false'}>"
 
     def short_id(self) -> str:
-        return f"wgmma_bwd_rows_{SHORT_DTYPE[self.dtype]}"
+        return f"wgmma_bwd_{self.kernel}_{SHORT_DTYPE[self.dtype]}"
 
     def compile_options(self) -> tuple[str, ...]:
         return ("-arch=sm_90a",)
@@ -87,7 +91,8 @@ class WgmmaRowsConfig:
 def all_configs() -> list:
     """Every instantiation a call can pick (the compile check builds them all)."""
     return [WgmmaBwdConfig(causal, dtype, gqa) for dtype in SUPPORTED_DTYPES for causal in (False, True)
-            for gqa in (False, True)] + [WgmmaRowsConfig(dtype) for dtype in SUPPORTED_DTYPES]
+            for gqa in (False, True)] + [WgmmaBwdPassConfig(kernel, dtype) for kernel in ("rows", "dq")
+                                         for dtype in SUPPORTED_DTYPES]
 
 
 def enabled() -> bool:
@@ -109,18 +114,18 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
         return "runs plain and causal attention only (no window, softcap, ALiBi, dropout or varlen)"
     if deterministic:
         return "adds dQ in no fixed order (deterministic=True: the mma.sync backward)"
-    # TMA maps (q, k, v, dout), 16-byte loads (out), 8-byte stores (the conversion of dq, and of dk
-    # and dv with GQA); without GQA the kernel stores dk and dv in 4-byte pairs itself.
-    converted = ("dq", "dk", "dv") if shape.kv_group > 1 else ("dq",)
+    # TMA maps (q, k, v, dout), 16-byte loads (out), 8-byte stores (the conversion of dk and dv with
+    # GQA); dq, and without GQA dk and dv, are stored in 4-byte pairs.
+    paired = ("dq",) if shape.kv_group > 1 else ("dq", "dk", "dv")
     for name, t in tensors:
-        if name == "softmax_lse" or (name in ("dk", "dv") and name not in converted):
+        if name == "softmax_lse" or name in paired:
             continue
         if t.strides[-1] != 1 or not tensor_maps.strides_fit(t.data_ptr, [s * t.itemsize for s in t.strides[:-1]],
                                                              t.shape[:-1]):
             return (f"needs {name} with a 16-byte aligned base and strides that are multiples of 8 elements, "
                     f"got strides {tuple(t.strides)} at 0x{t.data_ptr:x}")
     for name, t in tensors:
-        if name in ("dk", "dv") and (t.strides[-1] != 1 or t.data_ptr % 4 or any(s % 2 for s in t.strides[:-1])):
+        if name in paired and (t.strides[-1] != 1 or t.data_ptr % 4 or any(s % 2 for s in t.strides[:-1])):
             return f"needs {name} with 4-byte aligned column pairs, got strides {tuple(t.strides)}"
     return ""
 
@@ -154,12 +159,12 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     padded = m_blocks * BLOCK_M
     lse_log2, lse_log2_i = launcher.scratch((b, h, padded))
     delta, delta_i = launcher.scratch((b, h, padded))
-    rows = WgmmaRowsConfig(shape.dtype)
+    rows = WgmmaBwdPassConfig("rows", shape.dtype)
     launcher.launch_kernel(rows, device_id, stream, (math.ceil(padded / 32), h, b),
                            (_ptr(dout.data_ptr), _ptr(out.data_ptr), _ptr(lse.data_ptr), _ptr(lse_log2_i.data_ptr),
                             _ptr(delta_i.data_ptr), *map(_i64, dout.strides[:3]), *map(_i64, out.strides[:3]),
                             _i32(sq), _i32(h), _i32(m_blocks)))
-    dq_acc, dq_acc_i = launcher.scratch((b, h, padded, HEAD_DIM), zero=True)
+    dq_acc, dq_acc_i = launcher.scratch((b, h, m_blocks, BLOCK_M * HEAD_DIM), zero=True)  # DqFragments order
     if gqa:  # per query head, summed over each group by the conversion
         (dk_acc, dk_t), (dv_acc, dv_t) = (launcher.scratch((b, sk, h, HEAD_DIM)) for _ in range(2))
     else:
@@ -176,12 +181,14 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
 
     arguments = launcher.StructArguments(PARAMS, (q, k, v, dout, lse_log2_i, delta_i, dq_acc_i, dk_t, dv_t), build)
     launcher.launch_struct_kernel(config, device_id, stream, (math.ceil(sk / BLOCK_N), h, b), arguments)
-    convert_accumulator(shape.dtype, device_id, stream, dq_acc_i, dq, b, sq, h, HEAD_DIM, 1, scale, heads_major=True)
+    launcher.launch_kernel(WgmmaBwdPassConfig("dq", shape.dtype), device_id, stream, (m_blocks, h, b),
+                           (_ptr(dq_acc_i.data_ptr), _ptr(dq.data_ptr), *map(_i64, dq.strides[:3]), _i32(sq), _i32(h),
+                            _i32(m_blocks), np.float32(scale)))
     if gqa:
         for acc, grad in ((dk_t, dk), (dv_t, dv)):
             convert_accumulator(shape.dtype, device_id, stream, acc, grad, b, sk, hk, HEAD_DIM, shape.kv_group, 1.0)
     del lse_log2, delta, dq_acc, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
 
 
-__all__ = ["ENABLE_VARIABLE", "HANG_CHECK_VARIABLE", "PARAMS", "WgmmaBwdConfig", "WgmmaRowsConfig", "all_configs",
+__all__ = ["ENABLE_VARIABLE", "HANG_CHECK_VARIABLE", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
            "backward", "enabled", "unsupported_reason"]
