@@ -121,18 +121,18 @@ for seqlens in (None, cp.asarray(np.array([0, 140, 333], np.int32))):
         cp.cuda.get_current_stream().synchronize()
         print(f"ok decode d=128 seqlens={'none' if seqlens is None else 'given'} splits={splits}", flush=True)
 
-# The opt-in Hopper backward (head dim 128) on the head-dim-128 cases, sm_90 only.
+# The Hopper backward (head dim 128) on the head-dim-128 cases, also the mma.sync one's on sm_90.
 if launch.device_arch(0) == 90:
     import os
 
-    from cuflash2.families.wgmma import backward as wgmma_backward
+    from cuflash2 import families
 
-    os.environ[wgmma_backward.ENABLE_VARIABLE] = "1"
+    os.environ[families.FAMILY_VARIABLE] = "mma_sync"
     for b, sq, sk, h, hk, d, causal, dtype in [c for c in CASES if c[5] == 128]:
         q, k, v, dout = arrays((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d), dtype=dtype)
         out, lse = cuflash2.flash_attn_forward(q, k, v, causal=causal)
         grads = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
         cp.cuda.get_current_stream().synchronize()
         assert all(bool(cp.isfinite(as_float32(cp, g)).all()) for g in grads)
-        print(f"ok hopper backward b={b} sq={sq} sk={sk} h={h}/{hk} causal={causal}", flush=True)
-    del os.environ[wgmma_backward.ENABLE_VARIABLE]
+        print(f"ok mma.sync backward on sm_90 b={b} sq={sq} sk={sk} h={h}/{hk} causal={causal}", flush=True)
+    del os.environ[families.FAMILY_VARIABLE]

@@ -42,22 +42,18 @@ def two_families(monkeypatch):
     return family
 
 
-def test_mma_sync_runs_every_direction_by_default_but_the_sm90_forward(monkeypatch):
+def test_mma_sync_runs_every_direction_by_default_but_the_sm90_forward_and_backward(monkeypatch):
     monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
-    monkeypatch.delenv(wgmma.BACKWARD_VARIABLE, raising=False)
     for arch in (80, 86, 89, 90, 100, 120):
         for direction in families.DIRECTIONS:
-            expected = wgmma.FAMILY if (arch, direction) == (90, "forward") else mma_sync.FAMILY
+            hopper = arch == 90 and direction in ("forward", "backward")
+            expected = wgmma.FAMILY if hopper else mma_sync.FAMILY
             assert families.family_for(arch, PROBLEM, direction) is expected
 
 
-def test_the_hopper_backward_is_opt_in(monkeypatch):
-    """CUFLASH2_WGMMA_BACKWARD=1: head dim 128 backwards on sm_90, not deterministic ones (its dQ
-    sums run in no fixed order); the variable is part of the replays' environment."""
+def test_the_hopper_backward_runs_head_dim_128(monkeypatch):
+    """Head dim 128 backwards on sm_90, not deterministic ones (its dQ sums run in no fixed order)."""
     monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
-    before = families.environment()
-    monkeypatch.setenv(wgmma.BACKWARD_VARIABLE, "1")
-    assert families.environment() != before
     assert families.family_for(90, PROBLEM, "backward") is wgmma.FAMILY
     assert families.family_for(80, PROBLEM, "backward") is mma_sync.FAMILY
     assert families.family_for(90, PROBLEM, "backward", deterministic=True) is mma_sync.FAMILY
@@ -115,7 +111,6 @@ def test_every_family_has_what_the_core_and_the_cli_call():
 
 def test_info_names_the_family_of_each_direction(monkeypatch):
     monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
-    monkeypatch.delenv(wgmma.BACKWARD_VARIABLE, raising=False)
     result = CliRunner().invoke(main, ["info", "--arch", "sm_80"])
     assert result.exit_code == 0, result.output
     section = result.output.split("Kernel families")[1]
@@ -123,7 +118,7 @@ def test_info_names_the_family_of_each_direction(monkeypatch):
     for direction in families.DIRECTIONS:
         assert f"{direction:20s} mma_sync" in section
     facts = json.loads(CliRunner().invoke(main, ["info", "--json", "--arch", "sm_90a"]).output)["families"]
-    assert facts["arch"] == 90 and facts["forward"] == "wgmma" and facts["backward"] == facts["kvcache"] == "mma_sync"
+    assert facts["arch"] == 90 and facts["forward"] == facts["backward"] == "wgmma" and facts["kvcache"] == "mma_sync"
 
 
 def test_info_reports_a_bad_family_variable_without_failing(monkeypatch):

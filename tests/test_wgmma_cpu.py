@@ -95,8 +95,6 @@ def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest(monkeypatch)
     assert families.family_for(90, _problem(causal=True), "forward").name == "wgmma"
     assert families.family_for(80, _problem(), "forward", tensors).name == "mma_sync"
     grads = tensors + [("dout", q), ("dq", q), ("dk", q), ("dv", q)]
-    assert families.family_for(90, _problem(), "backward", grads).name == "mma_sync"  # the Hopper one is opt-in
-    monkeypatch.setenv(wgmma_bwd.ENABLE_VARIABLE, "1")
     assert families.family_for(90, _problem(), "backward", grads).name == "wgmma"  # head dim 128
     assert families.family_for(90, _problem(), "backward", grads, deterministic=True).name == "mma_sync"
     assert families.family_for(90, _problem(d=64), "backward", grads).name == "mma_sync"
@@ -281,8 +279,6 @@ def test_backward_params_struct_is_the_kernels_640_bytes():
 def test_the_backward_runs_head_dim_128_and_leaves_the_rest(monkeypatch):
     from cuflash2.problem.features import Features
 
-    assert "opt-in" in wgmma_bwd.unsupported_reason(90, _problem(), False)
-    monkeypatch.setenv(wgmma_bwd.ENABLE_VARIABLE, "1")
 
     q = _bshd()
     grads = [("dout", q), ("q", q), ("k", q), ("v", q), ("out", q), ("dq", q), ("dk", q), ("dv", q)]

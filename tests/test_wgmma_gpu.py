@@ -212,7 +212,7 @@ def _attention_grads(fn, q, k, v, dout):
                                                       (2, 130, 170, 8, 2, False), (2, 130, 170, 8, 2, True),
                                                       (1, 1024, 1024, 2, 1, True), (3, 65, 64, 2, 2, False)])
 def test_the_hopper_backward_matches_the_reference(monkeypatch, b, sq, sk, h, hk, causal, dtype):
-    """CUFLASH2_WGMMA_BACKWARD=1 (head dim 128): gradients within 3x the error of the same math in
+    """Head dim 128: gradients within 3x the error of the same math in
     16-bit torch against fp32 (FA2's rule), and the wgmma backward is the one that ran."""
     import torch
 
@@ -222,7 +222,6 @@ def test_the_hopper_backward_matches_the_reference(monkeypatch, b, sq, sk, h, hk
     from cuflash2.families.wgmma import backward as wgmma_backward
 
     monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
-    monkeypatch.setenv(wgmma_backward.ENABLE_VARIABLE, "1")
     calls = []
     real = wgmma_backward.backward
     monkeypatch.setattr(wgmma_backward, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))

@@ -1,7 +1,7 @@
 """The wgmma kernel family (Hopper, sm_90a): a warp-specialised forward and backward on warpgroup
 MMAs fed by TMA tensor copies (kernels_cu/wgmma/). On compute capability 9.0 it runs the dense
-forward, plain or causal, and (opt-in, CUFLASH2_WGMMA_BACKWARD=1) the dense backward at head dim
-128; every other call goes to the next family (mma_sync).
+forward, plain or causal, and the dense backward at head dim 128 (not deterministic); every other
+call goes to the next family (mma_sync).
 
 Modules: forward and backward (tiles, what each runs, the launches with their parameter structs).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 from ...problem.features import AttentionProblem
 from ...problem.tensors import DTYPE_NAMES
 from . import backward as backward_kernel
-from .backward import ENABLE_VARIABLE as BACKWARD_VARIABLE
 from . import forward as forward_kernel
 from .forward import (HANG_CHECK_VARIABLE, WgmmaFwdConfig, all_configs as all_forward_configs, forward_config,
                       unsupported_reason)

@@ -30,10 +30,6 @@ BLOCK_M = 64  # query rows per step
 THREADS = 384
 # BwdParams (flash_bwd_sm90.cu): 4 maps, 5 pointers, 6 i64 strides, 5 ints, 2 floats, padding to 640.
 PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqqiiiiiff12x")
-#: CUFLASH2_WGMMA_BACKWARD=1 lets the Hopper backward run the calls it supports. Off by default:
-#: it has been checked against the mma.sync backward and an fp32 reference, not yet through the
-#: whole GPU test suite and the sanitizers.
-ENABLE_VARIABLE = "CUFLASH2_WGMMA_BACKWARD"
 _KV_BYTES = BLOCK_N * 128 * 2
 _Q_BYTES = BLOCK_M * 128 * 2
 _DQ_STAGING_BYTES = BLOCK_M * HEAD_DIM * 4  # the consumer warps' dQ parts
@@ -95,15 +91,9 @@ def all_configs() -> list:
                                          for dtype in SUPPORTED_DTYPES]
 
 
-def enabled() -> bool:
-    return os.environ.get(ENABLE_VARIABLE, "") not in ("", "0")
-
-
 def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool, tensors=()) -> str:
     """Why the Hopper backward does not run a call ("" when it does)."""
     shape = problem.shape
-    if not enabled():
-        return f"opt-in while it is validated ({ENABLE_VARIABLE}=1)"
     if arch != ARCH:
         return f"needs compute capability 9.0 (sm_90a), got {arch // 10}.{arch % 10}"
     if shape.dtype not in SUPPORTED_DTYPES:
@@ -190,5 +180,5 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     del lse_log2, delta, dq_acc, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
 
 
-__all__ = ["ENABLE_VARIABLE", "HANG_CHECK_VARIABLE", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
-           "backward", "enabled", "unsupported_reason"]
+__all__ = ["HANG_CHECK_VARIABLE", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
+           "backward", "unsupported_reason"]
