@@ -1,4 +1,4 @@
-"""A/B of the Hopper backward (the wgmma family, head dim 128) beside torch SDPA's cuDNN and flash
+"""A/B of the Hopper backward (the wgmma family, head dims 64 and 128) beside torch SDPA's cuDNN and flash
 backends, kernel level: the family's backward entry on described tensors, in one process with the
 same inputs, so that a kernel change is judged against the code before it. Needs an sm_90 GPU and
 torch. Example (the previous kernel saved under kernels_cu/ first):
@@ -26,22 +26,25 @@ from cuflash2.problem.tensors import AttentionShape
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seqlen", default="2048,8192", help="comma list; batch = 16384 // seqlen, 16 heads")
+    parser.add_argument("--seqlen", default="2048,8192", help="comma list; batch = 16384 // seqlen, 2048 // d heads")
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--heads-kv", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, choices=wgmma_bwd.HEAD_DIMS, default=128)
+    parser.add_argument("--heads-kv", type=int, default=0, help="default: as many as query heads")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--baseline", default="",
                         help="comma list of kernel sources (relative to kernels_cu/) to compare with")
     args = parser.parse_args()
-    d, h, dtype = wgmma_bwd.HEAD_DIM, 16, getattr(torch, args.dtype)
+    d, dtype = args.head_dim, getattr(torch, args.dtype)
+    h = 2048 // d  # FA2's grid: model dim 2048
+    hk = args.heads_kv or h
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     for s in map(int, args.seqlen.split(",")):
         b = max(1, 16384 // s)
         q, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(2))
-        k, v = (torch.randn(b, s, args.heads_kv, d, device="cuda", dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=dtype) for _ in range(2))
         out, lse = cuflash2.flash_attn_forward(q, k, v, causal=args.causal)
         grads = [torch.empty_like(x) for x in (q, k, v)]
-        shape = AttentionShape(b, s, s, h, args.heads_kv, d, args.dtype, 1 / math.sqrt(d))
+        shape = AttentionShape(b, s, s, h, hk, d, args.dtype, 1 / math.sqrt(d))
         problem = AttentionProblem(shape, args.causal)
         infos = [info(x) for x in (dout, q, k, v, out, lse, *grads)]
         flops = 2.5 * 4 * b * h * s * s * d / (2 if args.causal else 1)
@@ -50,12 +53,12 @@ def main():
         def sdpa(backend):
             with sdpa_kernel(backend):
                 result = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in leaves), is_causal=args.causal,
-                                                        enable_gqa=args.heads_kv != h).transpose(1, 2)
+                                                        enable_gqa=hk != h).transpose(1, 2)
             return lambda: torch.autograd.grad(result, leaves, dout, retain_graph=True)
 
         line = (f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: cuDNN {tflops(sdpa(SDPBackend.CUDNN_ATTENTION), flops):6.1f}"
                 f" | FA2 {tflops(sdpa(SDPBackend.FLASH_ATTENTION), flops):6.1f}")
-        config = wgmma_bwd.WgmmaBwdConfig(args.causal, args.dtype, args.heads_kv != h)
+        config = wgmma_bwd.WgmmaBwdConfig(d, args.causal, args.dtype, hk != h)
         variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
                                      for source in filter(None, args.baseline.split(","))]
         for label, variant in variants:

@@ -97,7 +97,8 @@ def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest(monkeypatch)
     grads = tensors + [("dout", q), ("dq", q), ("dk", q), ("dv", q)]
     assert families.family_for(90, _problem(), "backward", grads).name == "wgmma"  # head dim 128
     assert families.family_for(90, _problem(), "backward", grads, deterministic=True).name == "mma_sync"
-    assert families.family_for(90, _problem(d=64), "backward", grads).name == "mma_sync"
+    assert families.family_for(90, _problem(d=64), "backward", grads).name == "wgmma"
+    assert families.family_for(90, _problem(d=96), "backward", grads).name == "mma_sync"
     assert families.family_for(90, _problem(), "backward", misaligned_grads := [("dout", _bshd(ptr=(1 << 20) + 2))]
                                ).name == "mma_sync"
     assert misaligned_grads
@@ -276,7 +277,7 @@ def test_backward_params_struct_is_the_kernels_640_bytes():
     assert wgmma_bwd.PARAMS.size == 640  # flash_bwd_sm90.cu static_asserts sizeof(BwdParams) == 640
 
 
-def test_the_backward_runs_head_dim_128_and_leaves_the_rest(monkeypatch):
+def test_the_backward_runs_head_dims_64_and_128_and_leaves_the_rest(monkeypatch):
     from cuflash2.problem.features import Features
 
 
@@ -284,7 +285,8 @@ def test_the_backward_runs_head_dim_128_and_leaves_the_rest(monkeypatch):
     grads = [("dout", q), ("q", q), ("k", q), ("v", q), ("out", q), ("dq", q), ("dk", q), ("dv", q)]
     assert wgmma_bwd.unsupported_reason(90, _problem(causal=True), False, grads) == ""
     assert "deterministic" in wgmma_bwd.unsupported_reason(90, _problem(), True, grads)
-    assert "head dim 128 only" in wgmma_bwd.unsupported_reason(90, _problem(d=64), False, grads)
+    assert wgmma_bwd.unsupported_reason(90, _problem(d=64), False, grads) == ""
+    assert "head dims 64 and 128, got 256" in wgmma_bwd.unsupported_reason(90, _problem(d=256), False, grads)
     assert "compute capability 9.0" in wgmma_bwd.unsupported_reason(80, _problem(), False, grads)
     assert "plain and causal" in wgmma_bwd.unsupported_reason(90, _problem(features=Features(softcap=5.0)), False,
                                                               grads)

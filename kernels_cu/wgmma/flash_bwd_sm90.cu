@@ -1,29 +1,33 @@
 // FlashAttention-2 backward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
 //
-// One CTA per block of 128 keys (and head, batch) walks the query blocks that see those keys, 64
-// rows at a time. Warpgroup 0 is the producer: one thread loads the CTA's K and V once and the Q
-// and dO blocks into a two-stage pipeline. Each of the two consumer warpgroups owns 64 of the keys
-// and, per query block, computes
+// One CTA per block of 128 keys (and head, batch) walks the query blocks that see those keys
+// (kBlockM rows at a time). Warpgroup 0 is the producer: one thread loads the CTA's K and V once
+// and the Q and dO blocks into a two-stage pipeline. Each of the two consumer warpgroups owns 64 of
+// the keys and, per query block, computes
 //   S^T = K Q^T and dP^T = V dO^T                  (keys as rows: both operands in shared memory)
 //   P^T = exp2(S^T * scale_log2 - LSE_log2)         (the forward's softmax, from its LSE)
 //   dS^T = P^T * (dP^T - D),  D = rowsum(dO * O)   (both per query row from flash_bwd_rows_sm90,
 //                                                   loaded with Q and dO)
 //   dV += P^T dO,  dK += dS^T Q                    (P^T, dS^T straight from registers: the
 //                                                   accumulator layout is the A-operand layout)
-//   dQ[:, its 64 columns] = dS K                   (dS of both groups through shared memory)
+//   its 64 x 64 part of dQ = dS K                  (dS of both groups through shared memory)
 // and adds its dQ part to an fp32 accumulator in global memory: each warp stages its 16 x 64 part in
 // shared memory and one bulk reduction adds those 4 KB in L2 (per-element red.global adds cost 30%
 // of the kernel's time). The accumulator keeps the warps' fragment order (DqFragments);
 // flash_bwd_dq_sm90 scales and converts it afterwards, and for GQA flash_bwd_convert_kernel sums the
 // per-query-head dK and dV written here in fp32.
-// Head dim 128 (two 64-column panels: the dQ columns split between the groups).
+//
+// Tiles per head dim (BwdTile): head dim 128 takes 64 query rows per step and the groups split dQ's
+// columns; head dim 64 takes 128 rows (wider S^T products, which read less shared memory per MMA)
+// and the groups split dQ's rows. dK and dV (head_dim / 2 registers each) and S^T, dP^T
+// (kBlockM / 2 each) fill the consumers' 240 registers either way.
 #include "common/row_dot.cuh"
 #include "wgmma/wgmma_ops.cuh"
 
 struct BwdParams {
-    TensorMap q_map, k_map, v_map, do_map;  // (head_dim, seqlen, heads, batch); Q/dO boxes {64, 64}, K/V {64, 128}
-    const float* lse_log2;                  // (batch, heads, m_blocks * 64): LSE * log2(e), +inf past seqlen_q
-    const float* delta;                     // (batch, heads, m_blocks * 64): rowsum(dO * O), 0 past seqlen_q
+    TensorMap q_map, k_map, v_map, do_map;  // (head_dim, seqlen, heads, batch); Q/dO boxes {64, kBlockM}, K/V {64, 128}
+    const float* lse_log2;                  // (batch, heads, m_blocks * kBlockM): LSE * log2(e), +inf past seqlen_q
+    const float* delta;                     // (batch, heads, m_blocks * kBlockM): rowsum(dO * O), 0 past seqlen_q
     float* dq_acc;                          // (batch, heads, m_blocks, DqFragments) fp32, zero at launch
     void* dk;                               // bf16/fp16 (batch, seqlen_k, kv heads, head_dim) by its strides, or
     void* dv;                               //   with GQA fp32 (batch, seqlen_k, heads, head_dim) contiguous
@@ -37,27 +41,39 @@ static_assert(sizeof(BwdParams) == 640, "BwdParams: host layout (4 maps, 5 point
 
 namespace bwd {
 
-constexpr int kHeadDim = 128, kPanels = 2;
 constexpr int kBlockN = 128;  // keys per CTA: 64 per consumer warpgroup
-constexpr int kBlockM = 64;   // query rows per step
 constexpr int kStages = 2;
 constexpr int kThreads = 384;
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * (65536 / kThreads / 8 * 8),
               "register reallocation exceeds the block's registers: setmaxnreg.inc would never return");
+constexpr int kDqWarpBytes = 16 * 64 * 4;  // a warp's dQ part: 16 query rows x 64 columns, fp32
 
-// Shared memory (1024-byte aligned pieces, 128-byte rows per 64-column panel, 128-byte swizzle).
-constexpr int kKVBytes = kBlockN * 128 * kPanels;  // 32 KB
-constexpr int kQBytes = kBlockM * 128 * kPanels;   // 16 KB per stage (Q or dO)
-constexpr int kDsBytes = kBlockN * 128;            // dS^T: 128 key rows x 64 query columns
-constexpr int kRowBytes = kBlockM * 4;             // LSE_log2 or D of a query block
-constexpr int kDqWarpBytes = 16 * 64 * 4;          // a warp's dQ part: 16 query rows x 64 columns, fp32
-constexpr int kDqBytes = 8 * kDqWarpBytes;         // the 8 consumer warps' staging buffers
-constexpr int kK = 0, kV = kK + kKVBytes, kQ = kV + kKVBytes, kDO = kQ + kStages * kQBytes,
-              kDs = kDO + kStages * kQBytes, kDq = kDs + 2 * kDsBytes, kLse = kDq + kDqBytes,
-              kDelta = kLse + kStages * kRowBytes, kBarriers = kDelta + kStages * kRowBytes;
-constexpr int kSmemBytes = kBarriers + 64 + 1024;  // + the alignment slack of the base
-static_assert(kSmemBytes <= 227 * 1024, "shared memory: the tiles exceed 227 KB");
+// Tiles are stored as 64-column panels (128-byte rows, 128-byte swizzle): K, V, Q and dO have
+// head_dim / 64 of them, the dS^T tile (128 key rows) kBlockM / 64.
+template <int kHeadDim_>
+struct BwdTile {
+    static constexpr int kHeadDim = kHeadDim_;
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "the Hopper backward runs head dims 64 and 128");
+    static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // query rows per step
+    static constexpr int kPanels = kHeadDim / 64, kQueryPanels = kBlockM / 64;
+    static_assert(kPanels * kQueryPanels == 2, "dQ (kBlockM x head_dim) splits into one 64 x 64 part per group");
+    // Consumer group g computes dQ's query panel query_panel(g) x column panel column_panel(g).
+    CF_DEVICE static int query_panel(int group) { return kQueryPanels > 1 ? group : 0; }
+    CF_DEVICE static int column_panel(int group) { return kPanels > 1 ? group : 0; }
+
+    // Shared memory (1024-byte aligned pieces).
+    static constexpr int kKVBytes = kBlockN * 128 * kPanels;  // K or V
+    static constexpr int kQBytes = kBlockM * 128 * kPanels;   // per stage: Q or dO
+    static constexpr int kDsBytes = kBlockN * 128 * kQueryPanels;
+    static constexpr int kRowBytes = kBlockM * 4;             // LSE_log2 or D of a query block
+    static constexpr int kDqBytes = 8 * kDqWarpBytes;         // the 8 consumer warps' staging buffers
+    static constexpr int kK = 0, kV = kK + kKVBytes, kQ = kV + kKVBytes, kDO = kQ + kStages * kQBytes,
+                         kDs = kDO + kStages * kQBytes, kDq = kDs + 2 * kDsBytes, kLse = kDq + kDqBytes,
+                         kDelta = kLse + kStages * kRowBytes, kBarriers = kDelta + kStages * kRowBytes;
+    static constexpr int kSmemBytes = kBarriers + 64 + 1024;  // + the alignment slack of the base
+    static_assert(kSmemBytes <= 227 * 1024, "shared memory: the tiles exceed 227 KB");
+};
 
 enum : int { kDsBarrier = 1 };  // named barrier: both consumer groups' dS^T are in shared memory
 
@@ -69,20 +85,22 @@ struct Barriers {
 };
 
 // Query blocks that see some key of key block n_block: [first, m_blocks).
-template <bool kCausal>
+template <class T, bool kCausal>
 CF_DEVICE int first_query_block(int n_block, const BwdParams& p) {
     if (!kCausal) return 0;
     const int first_row = n_block * kBlockN - (p.seqlen_k - p.seqlen_q);  // the first row that sees the first key
-    return first_row <= 0 ? 0 : first_row / kBlockM;
+    return first_row <= 0 ? 0 : first_row / T::kBlockM;
 }
 
 // dQ accumulator layout: per (batch, head, query block) the 8 consumer warps' parts, 4 KB each
-// (warp w of group g: query rows 16 w .. 16 w + 15 of the block, columns 64 g .. 64 g + 63), each in
-// the warp's fragment order, so that a warp stages it with conflict-free 16-byte stores and adds it
-// with one bulk reduction: float4 c * 32 + lane of a part holds the lane's accumulator registers
-// 4c .. 4c + 3 (the wgmma layout below: rows lane/4 and lane/4 + 8, columns 8c + 2 (lane%4) + {0, 1}).
+// (warp w of group g: query rows 64 query_panel(g) + 16 w .. + 15 of the block, columns
+// 64 column_panel(g) .. + 63), each in the warp's fragment order, so that a warp stages it with
+// conflict-free 16-byte stores and adds it with one bulk reduction: float4 c * 32 + lane of a part
+// holds the lane's accumulator registers 4c .. 4c + 3 (the wgmma layout below: rows lane/4 and
+// lane/4 + 8, columns 8c + 2 (lane%4) + {0, 1}).
+template <class T>
 struct DqFragments {
-    static constexpr int kFloats = kBlockM * kHeadDim;  // per query block
+    static constexpr int kFloats = T::kBlockM * T::kHeadDim;  // per query block
     CF_DEVICE static int part(int group, int warp) { return (group * 4 + warp) * (kDqWarpBytes / 4); }
 };
 
@@ -93,7 +111,7 @@ CF_DEVICE void bulk_load(u32 dst, const float* src, u32 bytes, u32 bar) {
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-template <bool kCausal>
+template <class T, bool kCausal>
 CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch) {
     tma_prefetch_map(&p.q_map);
     tma_prefetch_map(&p.do_map);
@@ -101,60 +119,62 @@ CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n
     // K and V are read by this CTA alone unless query heads share them (GQA); Q and dO by every CTA
     // of the head.
     const u64 kv_policy = p.kv_group > 1 ? kEvictLast : kEvictFirst;
-    mbarrier_arrive_expect_bytes(bars.kv_full(), 2 * kKVBytes);
+    mbarrier_arrive_expect_bytes(bars.kv_full(), 2 * T::kKVBytes);
 #pragma unroll
-    for (int panel = 0; panel < kPanels; ++panel) {
-        tma_load_4d(smem + kK + panel * kBlockN * 128, &p.k_map, bars.kv_full(), panel * 64, n_block * kBlockN,
+    for (int panel = 0; panel < T::kPanels; ++panel) {
+        tma_load_4d(smem + T::kK + panel * kBlockN * 128, &p.k_map, bars.kv_full(), panel * 64, n_block * kBlockN,
                     kv_head, batch, kv_policy);
-        tma_load_4d(smem + kV + panel * kBlockN * 128, &p.v_map, bars.kv_full(), panel * 64, n_block * kBlockN,
+        tma_load_4d(smem + T::kV + panel * kBlockN * 128, &p.v_map, bars.kv_full(), panel * 64, n_block * kBlockN,
                     kv_head, batch, kv_policy);
     }
-    const int first = first_query_block<kCausal>(n_block, p);
+    const int first = first_query_block<T, kCausal>(n_block, p);
     for (int m = first, it = 0; m < p.m_blocks; ++m, ++it) {
         const int stage = it % kStages;
         mbarrier_wait(bars.qdo_empty(stage), ((it / kStages) & 1) ^ 1);
-        mbarrier_arrive_expect_bytes(bars.qdo_full(stage), 2 * kQBytes + 2 * kRowBytes);
-        const i64 rows = ((i64)batch * p.nheads + head) * p.m_blocks * kBlockM + m * kBlockM;
-        bulk_load(smem + kLse + stage * kRowBytes, p.lse_log2 + rows, kRowBytes, bars.qdo_full(stage));
-        bulk_load(smem + kDelta + stage * kRowBytes, p.delta + rows, kRowBytes, bars.qdo_full(stage));
+        mbarrier_arrive_expect_bytes(bars.qdo_full(stage), 2 * T::kQBytes + 2 * T::kRowBytes);
+        const i64 rows = ((i64)batch * p.nheads + head) * p.m_blocks * T::kBlockM + m * T::kBlockM;
+        bulk_load(smem + T::kLse + stage * T::kRowBytes, p.lse_log2 + rows, T::kRowBytes, bars.qdo_full(stage));
+        bulk_load(smem + T::kDelta + stage * T::kRowBytes, p.delta + rows, T::kRowBytes, bars.qdo_full(stage));
 #pragma unroll
-        for (int panel = 0; panel < kPanels; ++panel) {
-            tma_load_4d(smem + kQ + stage * kQBytes + panel * kBlockM * 128, &p.q_map, bars.qdo_full(stage),
-                        panel * 64, m * kBlockM, head, batch, kEvictLast);
-            tma_load_4d(smem + kDO + stage * kQBytes + panel * kBlockM * 128, &p.do_map, bars.qdo_full(stage),
-                        panel * 64, m * kBlockM, head, batch, kEvictLast);
+        for (int panel = 0; panel < T::kPanels; ++panel) {
+            const u32 at = stage * T::kQBytes + panel * T::kBlockM * 128;
+            tma_load_4d(smem + T::kQ + at, &p.q_map, bars.qdo_full(stage), panel * 64, m * T::kBlockM, head, batch,
+                        kEvictLast);
+            tma_load_4d(smem + T::kDO + at, &p.do_map, bars.qdo_full(stage), panel * 64, m * T::kBlockM, head, batch,
+                        kEvictLast);
         }
     }
 }
 
 // ---- consumer: the GEMMs -------------------------------------------------------------------------
-// X^T = A_g B^T for this group's 64 keys (A: K or V, 128 key rows) against the 64 query rows of a Q
-// or dO stage (B), both K-major: 16 head-dim columns per wgmma.
-template <bool kBf16>
-CF_DEVICE void issue_transposed_scores(float (&acc)[32], u32 keys, u32 queries) {
+// X^T = A_g B^T for this group's 64 keys (A: K or V, 128 key rows) against the kBlockM query rows of
+// a Q or dO stage (B), both K-major: 16 head-dim columns per wgmma.
+template <class T, bool kBf16>
+CF_DEVICE void issue_transposed_scores(float (&acc)[T::kBlockM / 2], u32 keys, u32 queries) {
     const u64 a_desc = smem_descriptor(keys, 16, 1024), b_desc = smem_descriptor(queries, 16, 1024);
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
         const u32 a = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
-        const u32 b = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-        Wgmma<kBlockM, kBf16>::template ss<0, 0>(acc, a_desc + (a >> 4), b_desc + (b >> 4), kk > 0);
+        const u32 b = (kk / 4) * T::kBlockM * 128 + (kk % 4) * 32;
+        Wgmma<T::kBlockM, kBf16>::template ss<0, 0>(acc, a_desc + (a >> 4), b_desc + (b >> 4), kk > 0);
     }
 }
 
 // acc (64 keys x head_dim) += X^T Y: X^T from registers (16 query rows per wgmma), Y a Q or dO stage
-// MN-major (its two 64-column panels kBlockM * 128 bytes apart).
-template <bool kBf16>
-CF_DEVICE void issue_key_gradient(float (&acc)[64], const u32 (&xa)[kBlockM / 16][4], u32 rows) {
-    const u64 desc = smem_descriptor(rows, kBlockM * 128, 1024);
+// MN-major (its 64-column panels kBlockM * 128 bytes apart).
+template <class T, bool kBf16>
+CF_DEVICE void issue_key_gradient(float (&acc)[T::kHeadDim / 2], const u32 (&xa)[T::kBlockM / 16][4], u32 rows) {
+    const u64 desc = smem_descriptor(rows, T::kBlockM * 128, 1024);
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) Wgmma<kHeadDim, kBf16>::template rs<1>(acc, xa[kk], desc + kk * (2048 >> 4), 1);
+    for (int kk = 0; kk < T::kBlockM / 16; ++kk)
+        Wgmma<T::kHeadDim, kBf16>::template rs<1>(acc, xa[kk], desc + kk * (2048 >> 4), 1);
 }
 
-// dQ (64 query rows x the group's 64 head-dim columns) = dS K: dS from the dS^T tile (MN-major A:
-// the query index runs along its rows), K's panel `group` MN-major; 16 keys per wgmma.
+// The group's 64 x 64 part of dQ = dS K: dS from a 64-query panel of the dS^T tile (MN-major A: the
+// query index runs along its rows), a 64-column panel of K MN-major; 16 keys per wgmma.
 template <bool kBf16>
-CF_DEVICE void issue_query_gradient(float (&acc)[32], u32 ds_tile, u32 k_panel) {
-    const u64 a_desc = smem_descriptor(ds_tile, kBlockN * 128, 1024), b_desc = smem_descriptor(k_panel, kBlockN * 128, 1024);
+CF_DEVICE void issue_query_gradient(float (&acc)[32], u32 ds_panel, u32 k_panel) {
+    const u64 a_desc = smem_descriptor(ds_panel, kBlockN * 128, 1024), b_desc = smem_descriptor(k_panel, kBlockN * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
         Wgmma<64, kBf16>::template ss<1, 1>(acc, a_desc + kk * (2048 >> 4), b_desc + kk * (2048 >> 4), kk > 0);
@@ -167,21 +187,21 @@ CF_DEVICE float2 ld_shared_f32x2(u32 addr) {
     return v;
 }
 
-// Accumulator layout of a 64 x 64 tile (keys x queries here): register 4j + 2r + e holds key row
+// Accumulator layout of a 64-key x kBlockM tile (keys x queries): register 4j + 2r + e holds key row
 // 16 warp + lane/4 + 8r, query column 8j + 2 (lane%4) + e.
 // Whether a (query block, key block) pair has scores some query must not see: keys past seqlen_k,
 // or (causal) keys right of a query's diagonal. The others skip the per-element test.
-template <bool kCausal>
+template <class T, bool kCausal>
 CF_DEVICE bool block_needs_mask(int m_block, int n_block, const BwdParams& p) {
     const int last_key = n_block * kBlockN + kBlockN - 1;
-    return last_key >= p.seqlen_k || (kCausal && last_key > m_block * kBlockM + p.seqlen_k - p.seqlen_q);
+    return last_key >= p.seqlen_k || (kCausal && last_key > m_block * T::kBlockM + p.seqlen_k - p.seqlen_q);
 }
 
-template <bool kCausal, bool kMasked>
-CF_DEVICE void probabilities(float (&s)[32], const int (&key)[2], int query0, int lane, const BwdParams& p,
-                             u32 lse_rows) {
+template <class T, bool kCausal, bool kMasked>
+CF_DEVICE void probabilities(float (&s)[T::kBlockM / 2], const int (&key)[2], int query0, int lane,
+                             const BwdParams& p, u32 lse_rows) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < T::kBlockM / 8; ++j) {
         const float2 lse = ld_shared_f32x2(lse_rows + (8 * j + 2 * (lane % 4)) * 4);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -198,9 +218,11 @@ CF_DEVICE void probabilities(float (&s)[32], const int (&key)[2], int query0, in
 }
 
 // dP^T becomes dS^T = P^T (dP^T - D).
-CF_DEVICE void score_gradients(float (&dp)[32], const float (&prob)[32], int lane, u32 delta_rows) {
+template <class T>
+CF_DEVICE void score_gradients(float (&dp)[T::kBlockM / 2], const float (&prob)[T::kBlockM / 2], int lane,
+                               u32 delta_rows) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < T::kBlockM / 8; ++j) {
         const float2 d = ld_shared_f32x2(delta_rows + (8 * j + 2 * (lane % 4)) * 4);
 #pragma unroll
         for (int e = 0; e < 2; ++e)
@@ -210,25 +232,26 @@ CF_DEVICE void score_gradients(float (&dp)[32], const float (&prob)[32], int lan
     }
 }
 
-template <bool kBf16>
-CF_DEVICE void pack_operand(const float (&x)[32], u32 (&xa)[4][4]) {
+template <bool kBf16, int kSteps>
+CF_DEVICE void pack_operand(const float (&x)[8 * kSteps], u32 (&xa)[kSteps][4]) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
+    for (int kk = 0; kk < kSteps; ++kk)
 #pragma unroll
         for (int i = 0; i < 4; ++i) xa[kk][i] = Element16<kBf16>::pack(x[8 * kk + 2 * i], x[8 * kk + 2 * i + 1]);
 }
 
-// This thread's dS^T values into the dS^T tile (row = key within the CTA's 128, 64 query columns =
-// one 128-byte swizzled panel row), as the dQ product reads it.
-CF_DEVICE void store_score_gradients(u32 ds_tile, const u32 (&dsa)[4][4], int key_row0, int lane) {
+// This thread's dS^T values into the dS^T tile (row = key within the CTA's 128; query column q in
+// 128-byte swizzled panel q / 64), as the dQ product reads it.
+template <class T>
+CF_DEVICE void store_score_gradients(u32 ds_tile, const u32 (&dsa)[T::kBlockM / 16][4], int key_row0, int lane) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = key_row0 + 8 * r;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < T::kBlockM / 8; ++j) {
             // Columns 8j + 2 (lane%4) + {0, 1} of row r: packed pair i = 2 (j%2) + r of k-step j/2.
             const u32 value = dsa[j / 2][2 * (j % 2) + r];
-            const u32 addr = ds_tile + row * 128 + ((j ^ (row % 8)) * 16) + (lane % 4) * 4;
+            const u32 addr = ds_tile + (j / 8) * kBlockN * 128 + row * 128 + (((j % 8) ^ (row % 8)) * 16) + (lane % 4) * 4;
             asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(value) : "memory");
         }
     }
@@ -253,75 +276,78 @@ CF_DEVICE void add_query_gradient(const float (&dq)[32], u32 staging, float* par
 
 // This thread's two rows of dK or dV: 16-bit pairs into the gradient, or fp32 pairs into the
 // per-query-head accumulator (GQA).
-template <bool kBf16, bool kGqa>
-CF_DEVICE void store_key_gradient(const float (&acc)[64], float scale, void* base, i64 batch_stride, i64 row_stride,
-                                  i64 head_stride, const int (&key)[2], int head, int batch, int lane,
+template <class T, bool kBf16, bool kGqa>
+CF_DEVICE void store_key_gradient(const float (&acc)[T::kHeadDim / 2], float scale, void* base, i64 batch_stride,
+                                  i64 row_stride, i64 head_stride, const int (&key)[2], int head, int batch, int lane,
                                   const BwdParams& p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (key[r] >= p.seqlen_k) continue;
 #pragma unroll
-        for (int j = 0; j < kHeadDim / 8; ++j) {
+        for (int j = 0; j < T::kHeadDim / 8; ++j) {
             const int col = 8 * j + 2 * (lane % 4);
             const float lo = acc[4 * j + 2 * r] * scale, hi = acc[4 * j + 2 * r + 1] * scale;
             if constexpr (kGqa) {
-                float* out = static_cast<float*>(base) + (((i64)batch * p.seqlen_k + key[r]) * p.nheads + head) * kHeadDim;
+                float* out = static_cast<float*>(base) +
+                             (((i64)batch * p.seqlen_k + key[r]) * p.nheads + head) * T::kHeadDim;
                 *reinterpret_cast<float2*>(out + col) = make_float2(lo, hi);
             } else {
-                u16* out = static_cast<u16*>(base) + batch * batch_stride + key[r] * row_stride + (head / p.kv_group) * head_stride;
+                u16* out = static_cast<u16*>(base) + batch * batch_stride + key[r] * row_stride +
+                           (head / p.kv_group) * head_stride;
                 *reinterpret_cast<u32*>(out + col) = Element16<kBf16>::pack(lo, hi);
             }
         }
     }
 }
 
-template <bool kCausal, bool kBf16, bool kGqa>
+template <class T, bool kCausal, bool kBf16, bool kGqa>
 CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, int n_block, int head,
                        int batch) {
+    constexpr int kM = T::kBlockM, kD = T::kHeadDim;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int key_row0 = group * 64 + 16 * warp + lane / 4;  // within the CTA's keys
     const int key[2] = {n_block * kBlockN + key_row0, n_block * kBlockN + key_row0 + 8};
-    const u32 k_rows = smem + kK + group * 64 * 128, v_rows = smem + kV + group * 64 * 128;
-    float* dq_blocks = p.dq_acc + ((i64)batch * p.nheads + head) * p.m_blocks * DqFragments::kFloats +
-                       DqFragments::part(group, warp);
-    const u32 dq_staging = smem + kDq + (group * 4 + warp) * kDqWarpBytes;
-    float dv[64], dk[64];
+    const u32 k_rows = smem + T::kK + group * 64 * 128, v_rows = smem + T::kV + group * 64 * 128;
+    float* dq_blocks = p.dq_acc + ((i64)batch * p.nheads + head) * p.m_blocks * DqFragments<T>::kFloats +
+                       DqFragments<T>::part(group, warp);
+    const u32 dq_staging = smem + T::kDq + (group * 4 + warp) * kDqWarpBytes;
+    float dv[kD / 2], dk[kD / 2];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) dv[i] = dk[i] = 0.f;
+    for (int i = 0; i < kD / 2; ++i) dv[i] = dk[i] = 0.f;
     mbarrier_wait(bars.kv_full(), 0);
-    const int first = first_query_block<kCausal>(n_block, p);
+    const int first = first_query_block<T, kCausal>(n_block, p);
     for (int m = first, it = 0; m < p.m_blocks; ++m, ++it) {
         const int stage = it % kStages;
-        const u32 q_tile = smem + kQ + stage * kQBytes, do_tile = smem + kDO + stage * kQBytes;
-        const u32 ds_tile = smem + kDs + (it % 2) * kDsBytes;
-        const int query0 = m * kBlockM;
-        float s[32], dp[32];
+        const u32 q_tile = smem + T::kQ + stage * T::kQBytes, do_tile = smem + T::kDO + stage * T::kQBytes;
+        const u32 ds_tile = smem + T::kDs + (it % 2) * T::kDsBytes;
+        const u32 lse_rows = smem + T::kLse + stage * T::kRowBytes;
+        float s[kM / 2], dp[kM / 2];
         mbarrier_wait(bars.qdo_full(stage), (it / kStages) & 1);
         wgmma_fence();
-        issue_transposed_scores<kBf16>(s, k_rows, q_tile);
+        issue_transposed_scores<T, kBf16>(s, k_rows, q_tile);
         wgmma_commit();
-        issue_transposed_scores<kBf16>(dp, v_rows, do_tile);
+        issue_transposed_scores<T, kBf16>(dp, v_rows, do_tile);
         wgmma_commit();
         wgmma_wait<1>();
         register_fence(s);
-        if (block_needs_mask<kCausal>(m, n_block, p))
-            probabilities<kCausal, true>(s, key, query0, lane, p, smem + kLse + stage * kRowBytes);
+        if (block_needs_mask<T, kCausal>(m, n_block, p))
+            probabilities<T, kCausal, true>(s, key, m * kM, lane, p, lse_rows);
         else
-            probabilities<kCausal, false>(s, key, query0, lane, p, smem + kLse + stage * kRowBytes);
+            probabilities<T, kCausal, false>(s, key, m * kM, lane, p, lse_rows);
         wgmma_wait<0>();
         register_fence(dp);
-        score_gradients(dp, s, lane, smem + kDelta + stage * kRowBytes);
-        u32 pa[4][4], dsa[4][4];
+        score_gradients<T>(dp, s, lane, smem + T::kDelta + stage * T::kRowBytes);
+        u32 pa[kM / 16][4], dsa[kM / 16][4];
         pack_operand<kBf16>(s, pa);
         pack_operand<kBf16>(dp, dsa);
-        store_score_gradients(ds_tile, dsa, key_row0, lane);
+        store_score_gradients<T>(ds_tile, dsa, key_row0, lane);
         register_fence(dv);
         register_fence(dk);
         register_fence(pa);
         register_fence(dsa);
         wgmma_fence();
-        issue_key_gradient<kBf16>(dv, pa, do_tile);
-        issue_key_gradient<kBf16>(dk, dsa, q_tile);
+        issue_key_gradient<T, kBf16>(dv, pa, do_tile);
+        issue_key_gradient<T, kBf16>(dk, dsa, q_tile);
         wgmma_commit();
         fence_proxy_async_smem();  // the dS^T stores, before the async proxy (wgmma) reads them
         named_barrier_sync<kDsBarrier, 256>();
@@ -336,27 +362,29 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         if (lane == 0) mbarrier_arrive(bars.qdo_empty(stage));
         float dq[32];
         wgmma_fence();
-        issue_query_gradient<kBf16>(dq, ds_tile, smem + kK + group * kBlockN * 128);
+        issue_query_gradient<kBf16>(dq, ds_tile + T::query_panel(group) * kBlockN * 128,
+                                    smem + T::kK + T::column_panel(group) * kBlockN * 128);
         wgmma_commit();
         wgmma_wait<0>();
         register_fence(dq);
-        add_query_gradient(dq, dq_staging, dq_blocks + (i64)m * DqFragments::kFloats, lane);
+        add_query_gradient(dq, dq_staging, dq_blocks + (i64)m * DqFragments<T>::kFloats, lane);
     }
     if (lane == 0) bulk_wait_all();  // the last reductions complete before the CTA's shared memory goes
-    store_key_gradient<kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
-                                    key, head, batch, lane, p);
-    store_key_gradient<kBf16, kGqa>(dv, 1.f, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, key, head,
-                                    batch, lane, p);
+    store_key_gradient<T, kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride,
+                                       p.dk_head_stride, key, head, batch, lane, p);
+    store_key_gradient<T, kBf16, kGqa>(dv, 1.f, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, key,
+                                       head, batch, lane, p);
 }
 
 }  // namespace bwd
 
-template <bool kCausal, bool kBf16, bool kGqa>
+template <int kHeadDim, bool kCausal, bool kBf16, bool kGqa>
 __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParams p) {
     using namespace bwd;
+    using T = BwdTile<kHeadDim>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const Barriers bars{smem + kBarriers};
+    const Barriers bars{smem + T::kBarriers};
     const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     if (threadIdx.x == 0) {
         mbarrier_init(bars.kv_full(), 1);
@@ -370,18 +398,18 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
     const int group = threadIdx.x / 128;
     if (group == 0) {
         registers_release<kProducerRegs>();
-        if (threadIdx.x == 0) produce<kCausal>(p, smem, bars, n_block, head, batch);
+        if (threadIdx.x == 0) produce<T, kCausal>(p, smem, bars, n_block, head, batch);
     } else {
         registers_claim<kConsumerRegs>();
-        consume<kCausal, kBf16, kGqa>(p, smem, bars, group - 1, n_block, head, batch);
+        consume<T, kCausal, kBf16, kGqa>(p, smem, bars, group - 1, n_block, head, batch);
     }
 }
 
 // The per-query-row inputs of flash_bwd_sm90, padded to whole query blocks (so that its producer
-// copies a block's 256 bytes with one bulk copy): lse_log2 = LSE * log2(e) and D = rowsum(dO * O),
-// +inf and 0 past seqlen_q. 8 lanes per row (common/row_dot.cuh).
+// copies a block's rows with one bulk copy): lse_log2 = LSE * log2(e) and D = rowsum(dO * O), +inf
+// and 0 past seqlen_q. 8 lanes per row (common/row_dot.cuh).
 // Grid (row blocks of 32, heads, batch); 256 threads.
-template <bool kBf16>
+template <int kHeadDim, bool kBf16>
 __global__ void __launch_bounds__(256)
     flash_bwd_rows_sm90(const u16* __restrict__ dout, const u16* __restrict__ out, const float* __restrict__ lse,
                         float* __restrict__ lse_log2, float* __restrict__ delta, i64 do_batch_stride,
@@ -389,11 +417,11 @@ __global__ void __launch_bounds__(256)
                         i64 o_head_stride, int seqlen_q, int nheads, int m_blocks) {
     using T = Element16<kBf16>;
     const int lane8 = threadIdx.x % 8, row = blockIdx.x * 32 + threadIdx.x / 8, head = blockIdx.y, batch = blockIdx.z;
-    const int padded = m_blocks * bwd::kBlockM;
+    const int padded = m_blocks * bwd::BwdTile<kHeadDim>::kBlockM;
     if (row >= padded) return;
     const u16* dop = dout + batch * do_batch_stride + row * do_row_stride + head * do_head_stride;
     const u16* op = out + batch * o_batch_stride + row * o_row_stride + head * o_head_stride;
-    const float acc = sum_over_8_lanes(row < seqlen_q ? row_dot_part<T>(dop, op, lane8, bwd::kHeadDim) : 0.f);
+    const float acc = sum_over_8_lanes(row < seqlen_q ? row_dot_part<T>(dop, op, lane8, kHeadDim) : 0.f);
     if (lane8 == 0) {
         const i64 at = ((i64)batch * nheads + head) * padded + row;
         delta[at] = acc;
@@ -404,20 +432,22 @@ __global__ void __launch_bounds__(256)
 
 // dq = softmax_scale * the dQ accumulator of flash_bwd_sm90 (DqFragments order), bf16/fp16 by dq's
 // strides. Grid (query blocks, heads, batch); 256 threads, 8 float4 each, read in order.
-template <bool kBf16>
+template <int kHeadDim, bool kBf16>
 __global__ void __launch_bounds__(256)
     flash_bwd_dq_sm90(const float* __restrict__ acc, u16* __restrict__ dq, i64 batch_stride, i64 row_stride,
                       i64 head_stride, int seqlen_q, int nheads, int m_blocks, float scale) {
     using namespace bwd;
+    using T = BwdTile<kHeadDim>;
+    constexpr int kFloats = DqFragments<T>::kFloats;
     const int m = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
-    const float4* block = reinterpret_cast<const float4*>(
-        acc + (((i64)batch * nheads + head) * m_blocks + m) * DqFragments::kFloats);
+    const float4* block = reinterpret_cast<const float4*>(acc + (((i64)batch * nheads + head) * m_blocks + m) * kFloats);
     u16* out = dq + batch * batch_stride + head * head_stride;
 #pragma unroll
-    for (int i = 0; i < DqFragments::kFloats / 4 / 256; ++i) {
+    for (int i = 0; i < kFloats / 4 / 256; ++i) {
         const int at = i * 256 + threadIdx.x;  // float4 index: part (group, warp), chunk c, lane
-        const int part = at / 256, c = at / 32 % 8, lane = at % 32;
-        const int row = m * kBlockM + 16 * (part % 4) + lane / 4, col = 64 * (part / 4) + 8 * c + 2 * (lane % 4);
+        const int part = at / 256, group = part / 4, c = at / 32 % 8, lane = at % 32;
+        const int row = m * T::kBlockM + 64 * T::query_panel(group) + 16 * (part % 4) + lane / 4;
+        const int col = 64 * T::column_panel(group) + 8 * c + 2 * (lane % 4);
         const float4 v = block[at];
         if (row < seqlen_q)
             *reinterpret_cast<u32*>(out + row * row_stride + col) = Element16<kBf16>::pack(v.x * scale, v.y * scale);

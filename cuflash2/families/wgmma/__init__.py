@@ -1,6 +1,6 @@
 """The wgmma kernel family (Hopper, sm_90a): a warp-specialised forward and backward on warpgroup
 MMAs fed by TMA tensor copies (kernels_cu/wgmma/). On compute capability 9.0 it runs the dense
-forward, plain or causal, and the dense backward at head dim 128 (not deterministic); every other
+forward, plain or causal, and the dense backward at head dims 64 and 128 (not deterministic); every other
 call goes to the next family (mma_sync).
 
 Modules: forward and backward (tiles, what each runs, the launches with their parameter structs).
@@ -43,7 +43,7 @@ class WgmmaFamily:
 
     @staticmethod
     def compile_configs(arch: int, dims: list[int], dtypes: list[str], kinds=("fwd", "bwd")) -> list:
-        """The instantiations for these head dims (the forward: multiples of 8; the backward: 128)
+        """The instantiations for these head dims (the forward: multiples of 8; the backward: 64, 128)
         and dtypes ("bf16", "fp16") on sm_90; none elsewhere."""
         if arch != forward_kernel.ARCH:
             return []
@@ -52,13 +52,13 @@ class WgmmaFamily:
             configs += [forward_config(dim, DTYPE_NAMES[dtype], causal, seqlen=seqlen) for dim in dims
                         if dim % 8 == 0 and dim <= forward_kernel.MAX_HEAD_DIM
                         for dtype in dtypes for causal in (False, True) for seqlen in forward_kernel.SEQLEN_CLASSES]
-        if "bwd" in kinds and backward_kernel.HEAD_DIM in dims:
+        if "bwd" in kinds:
             names = {DTYPE_NAMES[dtype] for dtype in dtypes}
-            configs += [c for c in backward_kernel.all_configs() if c.dtype in names]
+            configs += [c for c in backward_kernel.all_configs() if c.dtype in names and c.head_dim in dims]
         return list(dict.fromkeys(configs))
 
 
 FAMILY = WgmmaFamily()
 
-__all__ = ["BACKWARD_VARIABLE", "FAMILY", "HANG_CHECK_VARIABLE", "WgmmaFamily", "WgmmaFwdConfig", "all_forward_configs", "forward_config",
+__all__ = ["FAMILY", "HANG_CHECK_VARIABLE", "WgmmaFamily", "WgmmaFwdConfig", "all_forward_configs", "forward_config",
            "unsupported_reason"]

@@ -24,22 +24,29 @@ from ..mma_sync import convert_accumulator
 from .forward import ARCH, HANG_CHECK_VARIABLE, hang_check
 
 SOURCE = "wgmma/flash_bwd_sm90.cu"
-HEAD_DIM = 128  # the one head dim the kernel is built for (its two 64-column panels split dQ's columns)
+#: Query rows per step for each head dim the kernel is built for (BwdTile): at 128 the two consumer
+#: groups split dQ's columns, at 64 they split its 128 rows.
+BLOCK_M = {64: 128, 128: 64}
+HEAD_DIMS = tuple(BLOCK_M)
 BLOCK_N = 128  # keys per CTA
-BLOCK_M = 64  # query rows per step
 THREADS = 384
 # BwdParams (flash_bwd_sm90.cu): 4 maps, 5 pointers, 6 i64 strides, 5 ints, 2 floats, padding to 640.
 PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqqiiiiiff12x")
-_KV_BYTES = BLOCK_N * 128 * 2
-_Q_BYTES = BLOCK_M * 128 * 2
-_DQ_STAGING_BYTES = BLOCK_M * HEAD_DIM * 4  # the consumer warps' dQ parts
-SMEM_BYTES = 2 * _KV_BYTES + 4 * _Q_BYTES + 2 * BLOCK_N * 128 + _DQ_STAGING_BYTES + 4 * BLOCK_M * 4 + 64 + 1024
+
+
+def smem_bytes(head_dim: int) -> int:
+    """BwdTile::kSmemBytes: K and V, two stages of Q and dO, two dS^T tiles, the warps' dQ parts,
+    two stages of LSE and D rows, the barriers, the alignment slack."""
+    block_m = BLOCK_M[head_dim]
+    kv, q, ds = BLOCK_N * 2 * head_dim, block_m * 2 * head_dim, BLOCK_N * 2 * block_m
+    return 2 * kv + 4 * q + 2 * ds + block_m * head_dim * 4 + 4 * block_m * 4 + 64 + 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class WgmmaBwdConfig:
     """One instantiation of flash_bwd_sm90 (the kernel-config interface of the compiler)."""
 
+    head_dim: int
     causal: bool
     dtype: str
     gqa: bool  # dK, dV per query head in fp32 (summed over each group afterwards)
@@ -47,15 +54,18 @@ class WgmmaBwdConfig:
 
     source_file = SOURCE
     threads = THREADS
-    smem_bytes = SMEM_BYTES
-    head_dim = HEAD_DIM
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.head_dim)
 
     def template_name(self) -> str:
         flag = {True: "true", False: "false"}
-        return f"flash_bwd_sm90<{flag[self.causal]}, {flag[self.dtype == 'bfloat16']}, {flag[self.gqa]}>"
+        return (f"flash_bwd_sm90<{self.head_dim}, {flag[self.causal]}, {flag[self.dtype == 'bfloat16']}, "
+                f"{flag[self.gqa]}>")
 
     def short_id(self) -> str:
-        return (f"wgmma_bwd_d{HEAD_DIM}_{'causal' if self.causal else 'full'}_{SHORT_DTYPE[self.dtype]}"
+        return (f"wgmma_bwd_d{self.head_dim}_{'causal' if self.causal else 'full'}_{SHORT_DTYPE[self.dtype]}"
                 f"{'_gqa' if self.gqa else ''}{'_hangcheck' if self.hang_check else ''}")
 
     def compile_options(self) -> tuple[str, ...]:
@@ -68,6 +78,7 @@ class WgmmaBwdPassConfig:
     (flash_bwd_dq_sm90, dQ out of its accumulator)."""
 
     kernel: str
+    head_dim: int
     dtype: str
 
     source_file = SOURCE
@@ -75,10 +86,10 @@ class WgmmaBwdPassConfig:
     smem_bytes = 0
 
     def template_name(self) -> str:
-        return f"flash_bwd_{self.kernel}_sm90<{'true' if self.dtype == 'bfloat16' else 'false'}>"
+        return f"flash_bwd_{self.kernel}_sm90<{self.head_dim}, {'true' if self.dtype == 'bfloat16' else 'false'}>"
 
     def short_id(self) -> str:
-        return f"wgmma_bwd_{self.kernel}_{SHORT_DTYPE[self.dtype]}"
+        return f"wgmma_bwd_{self.kernel}_d{self.head_dim}_{SHORT_DTYPE[self.dtype]}"
 
     def compile_options(self) -> tuple[str, ...]:
         return ("-arch=sm_90a",)
@@ -86,9 +97,9 @@ class WgmmaBwdPassConfig:
 
 def all_configs() -> list:
     """Every instantiation a call can pick (the compile check builds them all)."""
-    return [WgmmaBwdConfig(causal, dtype, gqa) for dtype in SUPPORTED_DTYPES for causal in (False, True)
-            for gqa in (False, True)] + [WgmmaBwdPassConfig(kernel, dtype) for kernel in ("rows", "dq")
-                                         for dtype in SUPPORTED_DTYPES]
+    return [WgmmaBwdConfig(d, causal, dtype, gqa) for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES
+            for causal in (False, True) for gqa in (False, True)] + [
+        WgmmaBwdPassConfig(kernel, d, dtype) for kernel in ("rows", "dq") for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES]
 
 
 def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool, tensors=()) -> str:
@@ -98,8 +109,8 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
         return f"needs compute capability 9.0 (sm_90a), got {arch // 10}.{arch % 10}"
     if shape.dtype not in SUPPORTED_DTYPES:
         return f"needs float16 or bfloat16 inputs, got {shape.dtype}"
-    if shape.head_dim != HEAD_DIM:
-        return f"runs head dim {HEAD_DIM} only, got {shape.head_dim}"
+    if shape.head_dim not in HEAD_DIMS:
+        return f"runs head dims {' and '.join(map(str, HEAD_DIMS))}, got {shape.head_dim}"
     if not problem.plain or problem.features.varlen:
         return "runs plain and causal attention only (no window, softcap, ALiBi, dropout or varlen)"
     if deterministic:
@@ -121,7 +132,7 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
 
 
 def _map(t, address: int, rows: int, batch: int, seqlen: int, heads: int) -> bytes:
-    return tensor_maps.encode_tiled(t.dtype, address, (HEAD_DIM, seqlen, heads, batch),
+    return tensor_maps.encode_tiled(t.dtype, address, (t.shape[-1], seqlen, heads, batch),
                                     (t.strides[1] * 2, t.strides[2] * 2, t.strides[0] * 2), (64, rows, 1, 1))
 
 
@@ -142,21 +153,22 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     """dq, dk, dv <- the gradients (TensorInfos, (batch, seqlen, heads, head_dim); lse (batch, heads,
     seqlen_q) fp32 contiguous), queued on `stream`."""
     shape = problem.shape
-    b, sq, sk, h, hk = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv
+    b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.head_dim
     gqa = shape.kv_group > 1
-    config = config or WgmmaBwdConfig(bool(problem.causal), shape.dtype, gqa, hang_check())
-    m_blocks = math.ceil(sq / BLOCK_M)
-    padded = m_blocks * BLOCK_M
+    config = config or WgmmaBwdConfig(d, bool(problem.causal), shape.dtype, gqa, hang_check())
+    block_m = BLOCK_M[d]
+    m_blocks = math.ceil(sq / block_m)
+    padded = m_blocks * block_m
     lse_log2, lse_log2_i = launcher.scratch((b, h, padded))
     delta, delta_i = launcher.scratch((b, h, padded))
-    rows = WgmmaBwdPassConfig("rows", shape.dtype)
+    rows = WgmmaBwdPassConfig("rows", d, shape.dtype)
     launcher.launch_kernel(rows, device_id, stream, (math.ceil(padded / 32), h, b),
                            (_ptr(dout.data_ptr), _ptr(out.data_ptr), _ptr(lse.data_ptr), _ptr(lse_log2_i.data_ptr),
                             _ptr(delta_i.data_ptr), *map(_i64, dout.strides[:3]), *map(_i64, out.strides[:3]),
                             _i32(sq), _i32(h), _i32(m_blocks)))
-    dq_acc, dq_acc_i = launcher.scratch((b, h, m_blocks, BLOCK_M * HEAD_DIM), zero=True)  # DqFragments order
+    dq_acc, dq_acc_i = launcher.scratch((b, h, m_blocks, block_m * d), zero=True)  # DqFragments order
     if gqa:  # per query head, summed over each group by the conversion
-        (dk_acc, dk_t), (dv_acc, dv_t) = (launcher.scratch((b, sk, h, HEAD_DIM)) for _ in range(2))
+        (dk_acc, dk_t), (dv_acc, dv_t) = (launcher.scratch((b, sk, h, d)) for _ in range(2))
     else:
         dk_acc = dv_acc = None
         dk_t, dv_t = dk, dv
@@ -164,19 +176,19 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
 
     def build(addresses) -> tuple:
         q_at, k_at, v_at, do_at, lse_at, delta_at, dq_at, dk_at, dv_at = addresses
-        return (_map(q, q_at, BLOCK_M, b, sq, h), _map(k, k_at, BLOCK_N, b, sk, hk), _map(v, v_at, BLOCK_N, b, sk, hk),
-                _map(dout, do_at, BLOCK_M, b, sq, h), lse_at, delta_at, dq_at, dk_at, dv_at,
+        return (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, BLOCK_N, b, sk, hk), _map(v, v_at, BLOCK_N, b, sk, hk),
+                _map(dout, do_at, block_m, b, sq, h), lse_at, delta_at, dq_at, dk_at, dv_at,
                 dk_t.strides[0], dk_t.strides[1], dk_t.strides[2], dv_t.strides[0], dv_t.strides[1], dv_t.strides[2],
                 sq, sk, h, shape.kv_group, m_blocks, scale * math.log2(math.e), scale)
 
     arguments = launcher.StructArguments(PARAMS, (q, k, v, dout, lse_log2_i, delta_i, dq_acc_i, dk_t, dv_t), build)
     launcher.launch_struct_kernel(config, device_id, stream, (math.ceil(sk / BLOCK_N), h, b), arguments)
-    launcher.launch_kernel(WgmmaBwdPassConfig("dq", shape.dtype), device_id, stream, (m_blocks, h, b),
+    launcher.launch_kernel(WgmmaBwdPassConfig("dq", d, shape.dtype), device_id, stream, (m_blocks, h, b),
                            (_ptr(dq_acc_i.data_ptr), _ptr(dq.data_ptr), *map(_i64, dq.strides[:3]), _i32(sq), _i32(h),
                             _i32(m_blocks), np.float32(scale)))
     if gqa:
         for acc, grad in ((dk_t, dk), (dv_t, dv)):
-            convert_accumulator(shape.dtype, device_id, stream, acc, grad, b, sk, hk, HEAD_DIM, shape.kv_group, 1.0)
+            convert_accumulator(shape.dtype, device_id, stream, acc, grad, b, sk, hk, d, shape.kv_group, 1.0)
     del lse_log2, delta, dq_acc, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
 
 
