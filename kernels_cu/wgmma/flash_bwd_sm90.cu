@@ -92,7 +92,7 @@ CF_DEVICE int first_query_block(int n_block, const BwdParams& p) {
     return first_row <= 0 ? 0 : first_row / T::kBlockM;
 }
 
-// dQ accumulator layout: per (batch, head, query block) the 8 consumer warps' parts, 4 KB each
+// dQ accumulator layout: per (batch, head, query block) the 8 consumer warps' parts, 1024 floats each
 // (warp w of group g: query rows 64 query_panel(g) + 16 w .. + 15 of the block, columns
 // 64 column_panel(g) .. + 63), each in the warp's fragment order, so that a warp stages it with
 // conflict-free 16-byte stores and adds it with one bulk reduction: float4 c * 32 + lane of a part
@@ -101,6 +101,8 @@ CF_DEVICE int first_query_block(int n_block, const BwdParams& p) {
 template <class T>
 struct DqFragments {
     static constexpr int kFloats = T::kBlockM * T::kHeadDim;  // per query block
+    static_assert(kFloats * 4 == T::kDqBytes, "dQ of a query block: one part per consumer warp");
+    // Float offset of warp `warp` of group `group`'s part within a query block.
     CF_DEVICE static int part(int group, int warp) { return (group * 4 + warp) * (kDqWarpBytes / 4); }
 };
 
@@ -439,6 +441,7 @@ __global__ void __launch_bounds__(256)
     using namespace bwd;
     using T = BwdTile<kHeadDim>;
     constexpr int kFloats = DqFragments<T>::kFloats;
+    static_assert(kFloats % (4 * 256) == 0, "256 threads convert whole float4s of a query block");
     const int m = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const float4* block = reinterpret_cast<const float4*>(acc + (((i64)batch * nheads + head) * m_blocks + m) * kFloats);
     u16* out = dq + batch * batch_stride + head * head_stride;

@@ -17,7 +17,7 @@ from .forward import (HANG_CHECK_VARIABLE, WgmmaFwdConfig, all_configs as all_fo
 
 
 class WgmmaFamily:
-    """The dense forward and the head-dim-128 backward on sm_90 (forward.unsupported_reason and
+    """The dense forward and the head-dim-64/128 backward on sm_90 (forward.unsupported_reason and
     backward.unsupported_reason say what they leave to others)."""
 
     name = "wgmma"

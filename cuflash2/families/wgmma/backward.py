@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import struct
 
 import numpy as np
@@ -119,7 +118,7 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
     # GQA); dq, and without GQA dk and dv, are stored in 4-byte pairs.
     paired = ("dq",) if shape.kv_group > 1 else ("dq", "dk", "dv")
     for name, t in tensors:
-        if name == "softmax_lse" or name in paired:
+        if name == "softmax_lse" or name in paired:  # softmax_lse: contiguous, as check_lse requires
             continue
         if t.strides[-1] != 1 or not tensor_maps.strides_fit(t.data_ptr, [s * t.itemsize for s in t.strides[:-1]],
                                                              t.shape[:-1]):
