@@ -299,3 +299,49 @@ def test_the_backward_runs_head_dims_64_and_128_and_leaves_the_rest(monkeypatch)
     assert wgmma_bwd.unsupported_reason(90, _problem(), False, padded_rows) == ""
     gqa = AttentionProblem(AttentionShape(2, 256, 256, 4, 2, 128, "bfloat16", 0.1), False)
     assert "dk" in wgmma_bwd.unsupported_reason(90, gqa, False, padded_rows)
+
+
+@pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True)])
+def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeypatch, d, gqa):
+    """Without a GPU: the launches the Hopper backward queues (pre-pass, main kernel, dQ conversion,
+    and with GQA the dK/dV sums), their grids, the scratch they get, the tensor maps' boxes and the
+    parameter struct they pack, for seqlens that are not multiples of the tiles."""
+    b, sq, sk, h, hk = 2, 300, 200, 4, 2 if gqa else 4
+    block_m = {64: 128, 128: 64}[d]  # BwdTile<d>::kBlockM
+    m_blocks = -(-sq // block_m)
+    problem = AttentionProblem(AttentionShape(b, sq, sk, h, hk, d, "bfloat16", 0.1), True)
+    q, dout, out, dq = (contiguous_info((b, sq, h, d), "bfloat16", 2, "cuda:0", (1 + i) << 24) for i in range(4))
+    k, v, dk, dv = (contiguous_info((b, sk, hk, d), "bfloat16", 2, "cuda:0", (5 + i) << 24) for i in range(4))
+    lse = contiguous_info((b, h, sq), "float32", 4, "cuda:0", 9 << 24)
+    scratch, launches, maps, converts = [], [], [], []
+
+    def fake_scratch(shape, dtype=None, zero=False):
+        scratch.append((tuple(shape), zero))
+        return None, contiguous_info(tuple(shape), "float32", 4, "cuda:0", (16 + len(scratch)) << 24)
+
+    monkeypatch.setattr(wgmma_bwd.launcher, "scratch", fake_scratch)
+    monkeypatch.setattr(wgmma_bwd.launcher, "launch_kernel",
+                        lambda config, device_id, stream, grid, args: launches.append((config, tuple(grid))))
+    monkeypatch.setattr(wgmma_bwd.launcher, "launch_struct_kernel",
+                        lambda config, device_id, stream, grid, arguments: launches.append(
+                            (config, tuple(grid), arguments.packer.pack(*arguments.fields()))))
+    monkeypatch.setattr(wgmma_bwd.tensor_maps, "encode_tiled",
+                        lambda dtype, ptr, sizes, strides, box: maps.append((ptr, tuple(sizes), tuple(box))) or
+                        bytes(128))
+    monkeypatch.setattr(wgmma_bwd, "convert_accumulator", lambda *args, **kwargs: converts.append(args))
+    wgmma_bwd.backward(problem, dout, q, k, v, out, lse, dq, dk, dv, 0, None)
+
+    (rows, rows_grid), (main, main_grid, packed), (dq_pass, dq_grid) = launches
+    assert (rows.kernel, rows_grid) == ("rows", (-(-m_blocks * block_m // 32), h, b))
+    assert (main.head_dim, main.causal, main.gqa) == (d, True, gqa)
+    assert main_grid == (-(-sk // wgmma_bwd.BLOCK_N), h, b)
+    assert (dq_pass.kernel, dq_pass.head_dim, dq_grid) == ("dq", d, (m_blocks, h, b))
+    assert (scratch[0], scratch[1]) == (((b, h, m_blocks * block_m), False),) * 2  # LSE_log2, D
+    assert scratch[2] == ((b, h, m_blocks, block_m * d), True)  # the dQ accumulator, zeroed
+    assert len(converts) == (2 if gqa else 0)
+    # Q and dO in boxes of the query block, K and V of the CTA's 128 keys; dims innermost first.
+    assert maps == [(q.data_ptr, (d, sq, h, b), (64, block_m, 1, 1)), (k.data_ptr, (d, sk, hk, b), (64, 128, 1, 1)),
+                    (v.data_ptr, (d, sk, hk, b), (64, 128, 1, 1)), (dout.data_ptr, (d, sq, h, b), (64, block_m, 1, 1))]
+    fields = wgmma_bwd.PARAMS.unpack(packed)  # ..., 5 ints, 2 floats (BwdParams)
+    assert fields[-7:-2] == (sq, sk, h, h // hk, m_blocks)
+    assert fields[-1] == pytest.approx(0.1) and fields[-2] == pytest.approx(0.1 * 1.4426950408889634)
