@@ -238,3 +238,44 @@ def test_the_hopper_backward_matches_the_reference(monkeypatch, b, sq, sk, h, hk
     for name, g, e, l in zip(("dq", "dk", "dv"), got, exact, low):
         error, allowed = (g - e).abs().max().item(), 3 * (l - e).abs().max().item() + 1e-4
         assert error <= allowed, f"{name}: error {error:.3g} > {allowed:.3g}"
+
+
+@pytest.fixture
+def ran_backward(monkeypatch):
+    """Counts the backward entries of each family that launch (not the dry runs that record)."""
+    from cuflash2.runtime import launcher
+
+    monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
+    counts = {"wgmma": 0, "mma_sync": 0}
+    for family in (wgmma.FAMILY, mma_sync.FAMILY):
+        def spy(*args, _backward=family.backward, _name=family.name, **kwargs):
+            counts[_name] += not launcher.is_recording()
+            return _backward(*args, **kwargs)
+
+        monkeypatch.setattr(family, "backward", spy)
+    return counts
+
+
+@hopper_only
+@pytest.mark.parametrize("case", ["d64", "d128 causal", "window", "softcap", "alibi", "dropout", "d96", "d256",
+                                  "deterministic"])
+def test_the_backward_leaves_what_the_hopper_kernel_does_not_run_to_mma_sync(ran_backward, case):
+    """Plain and causal backwards at head dims 64 and 128 run on the wgmma family; variants, other
+    head dims and deterministic calls on mma_sync."""
+    import cupy as cp
+
+    import cuflash2
+    from cuflash2.materialize import as_float32
+
+    d = {"d64": 64, "d96": 96, "d256": 256}.get(case, 128)
+    options = {"d128 causal": dict(causal=True), "window": dict(window_size=(32, 16)), "softcap": dict(softcap=5.0),
+               "alibi": dict(alibi_slopes=cp.linspace(0.1, 0.5, 4, dtype=cp.float32)),
+               "dropout": dict(dropout_p=0.2, dropout_seed=7), "deterministic": dict(deterministic=True)}.get(case, {})
+    q, k, v = make_inputs(cp, 2, 200, 300, 4, 4, d, "bf16", stable_seed("backward-routing", case))
+    out, lse = cuflash2.flash_attn_forward(q, k, v, **{key: x for key, x in options.items() if key != "deterministic"})
+    dout = cp.asarray(np.ones(q.shape, np.float32).astype(q.dtype))
+    grads = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, **options)
+    cp.cuda.get_current_stream().synchronize()
+    expected, other = ("wgmma", "mma_sync") if case in ("d64", "d128 causal") else ("mma_sync", "wgmma")
+    assert ran_backward[expected] >= 1 and ran_backward[other] == 0, ran_backward
+    assert all(bool(cp.isfinite(as_float32(cp, g)).all()) for g in grads)
