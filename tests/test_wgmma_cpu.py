@@ -178,13 +178,15 @@ def test_every_instantiation_compiles_clean_for_sm90a(config):
 
 @pytest.mark.compile
 def test_the_hang_check_build_compiles():
-    """The debug build (bounded mbarrier waits) compiles; its poll counters cost registers, so it
-    may run its wgmmas serialised: it is for correctness runs, not timings."""
+    """The debug builds (bounded mbarrier waits) of the forward and the backward compile; their poll
+    counters cost registers, so they may run their wgmmas serialised: they are for correctness runs,
+    not timings."""
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy (pip install '.[cuda12]')")
-    config = wgmma_fwd.forward_config(128, "bfloat16", True, hang_check=True)
-    report = compiler.compile_offline(config, "sm_90")
-    assert not report.error, report.error
-    assert report.registers > 0
+    for config in (wgmma_fwd.forward_config(128, "bfloat16", True, hang_check=True),
+                   wgmma_bwd.WgmmaBwdConfig(64, True, "bfloat16", False, hang_check=True)):
+        report = compiler.compile_offline(config, "sm_90")
+        assert not report.error, report.error
+        assert report.registers > 0
 
 
 def test_a_replay_rebuilds_the_parameter_struct_for_new_addresses(monkeypatch):
