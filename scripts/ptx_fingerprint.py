@@ -26,8 +26,14 @@ import sys
 _HEADER = (".version", ".target", ".address_size")
 
 
+# Internal-linkage names carry a hash of the source text (namespace-scope constants, say): any edit of
+# the file changes it, not the code.
+_INTERNAL_NAME = re.compile(r"_INTERNAL_[0-9a-f]+_\d+_cuflash2_cu_[0-9a-f]+_\d+")
+
+
 def normalise_ptx(ptx: str) -> str:
-    """PTX without comments, debug-location lines, the header and blank lines."""
+    """PTX without comments, debug-location lines, the header, blank lines and source hashes."""
+    ptx = _INTERNAL_NAME.sub("_INTERNAL_", ptx)
     lines = []
     for line in ptx.splitlines():
         code = line.split("//", 1)[0].rstrip()
@@ -73,14 +79,14 @@ def _compile(item):
 
 
 def save(out: pathlib.Path, archs: list[int], jobs: int, match: str = "", every: int = 1) -> int:
-    from cuflash2.families import mma_sync as cfg
+    from cuflash2.families import FAMILIES
     from cuflash2.runtime import compiler
 
     print(f"kernel sources: {compiler.kernel_dir()}", flush=True)
     items = []
     for arch in archs:
         (out / f"sm_{arch}").mkdir(parents=True, exist_ok=True)
-        configs = list(dict.fromkeys(cfg.all_configs(arch)))
+        configs = list(dict.fromkeys(c for family in FAMILIES for c in family.all_configs(arch)))
         ids = [c.short_id() for c in configs]
         assert len(set(ids)) == len(ids), "short ids are not unique"
         configs = [c for c in configs if re.search(match, c.short_id())][::every]
@@ -110,7 +116,7 @@ def compare(before: pathlib.Path, after: pathlib.Path, common_only: bool = False
         old = new = old & new
     same, differ = 0, []
     def text(path):
-        return normalise_ptxas_log(path.read_text()) if path.suffix == ".ptxas" else path.read_text()
+        return normalise_ptxas_log(path.read_text()) if path.suffix == ".ptxas" else normalise_ptx(path.read_text())
 
     for rel in sorted(old & new):
         if text(before / rel) == text(after / rel):

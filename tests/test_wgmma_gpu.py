@@ -24,21 +24,26 @@ def _is_hopper() -> bool:
 hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the wgmma family runs on compute capability 9.0")
 
 
-@pytest.fixture
-def ran(monkeypatch):
-    """Counts the forward entries of each family that launch (the spy calls through; the dry run
-    that records a call's launches for its replays does not count)."""
+def _count_entries(monkeypatch, entry: str) -> dict:
+    """Counts the calls of each family's `entry` ("forward", "backward") that launch (the spy calls
+    through; the dry run that records a call's launches for its replays does not count)."""
     from cuflash2.runtime import launcher
 
     monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
     counts = {"wgmma": 0, "mma_sync": 0}
     for family in (wgmma.FAMILY, mma_sync.FAMILY):
-        def spy(*args, _forward=family.forward, _name=family.name, **kwargs):
+        def spy(*args, _real=getattr(family, entry), _name=family.name, **kwargs):
             counts[_name] += not launcher.is_recording()
-            return _forward(*args, **kwargs)
+            return _real(*args, **kwargs)
 
-        monkeypatch.setattr(family, "forward", spy)
+        monkeypatch.setattr(family, entry, spy)
     return counts
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """Counts the forward entries of each family that launch."""
+    return _count_entries(monkeypatch, "forward")
 
 
 @hopper_only
@@ -242,18 +247,8 @@ def test_the_hopper_backward_matches_the_reference(monkeypatch, b, sq, sk, h, hk
 
 @pytest.fixture
 def ran_backward(monkeypatch):
-    """Counts the backward entries of each family that launch (not the dry runs that record)."""
-    from cuflash2.runtime import launcher
-
-    monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
-    counts = {"wgmma": 0, "mma_sync": 0}
-    for family in (wgmma.FAMILY, mma_sync.FAMILY):
-        def spy(*args, _backward=family.backward, _name=family.name, **kwargs):
-            counts[_name] += not launcher.is_recording()
-            return _backward(*args, **kwargs)
-
-        monkeypatch.setattr(family, "backward", spy)
-    return counts
+    """Counts the backward entries of each family that launch."""
+    return _count_entries(monkeypatch, "backward")
 
 
 @hopper_only

@@ -145,9 +145,18 @@ CF_DEVICE void cp_async_4(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
 }
 
-// ---- plain shared-memory store on a 32-bit shared address --------------------------------------
+// ---- plain shared-memory loads and stores on a 32-bit shared address ---------------------------
 CF_DEVICE void st_shared_f32x2(u32 addr, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(addr), "f"(x), "f"(y) : "memory");
+}
+CF_DEVICE void st_shared_f32x4(u32 addr, float x, float y, float z, float w) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+CF_DEVICE void st_shared_b32(u32 addr, u32 x) { asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(x) : "memory"); }
+CF_DEVICE float2 ld_shared_f32x2(u32 addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+    return v;
 }
 
 // ---- bulk asynchronous reduction, shared -> global (sm_90 and later) ---------------------------

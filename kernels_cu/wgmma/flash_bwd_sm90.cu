@@ -107,12 +107,6 @@ struct DqFragments {
 };
 
 // ---- producer ------------------------------------------------------------------------------------
-// `bytes` (a multiple of 16, from a 16-byte aligned address) into shared memory, completing on `bar`.
-CF_DEVICE void bulk_load(u32 dst, const float* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 template <class T, bool kCausal>
 CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch) {
     tma_prefetch_map(&p.q_map);
@@ -183,12 +177,6 @@ CF_DEVICE void issue_query_gradient(float (&acc)[32], u32 ds_panel, u32 k_panel)
 }
 
 // ---- consumer: the elementwise part --------------------------------------------------------------
-CF_DEVICE float2 ld_shared_f32x2(u32 addr) {
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
-    return v;
-}
-
 // Accumulator layout of a 64-key x kBlockM tile (keys x queries): register 4j + 2r + e holds key row
 // 16 warp + lane/4 + 8r, query column 8j + 2 (lane%4) + e.
 // Whether a (query block, key block) pair has scores some query must not see: keys past seqlen_k,
@@ -254,7 +242,7 @@ CF_DEVICE void store_score_gradients(u32 ds_tile, const u32 (&dsa)[T::kBlockM / 
             // Columns 8j + 2 (lane%4) + {0, 1} of row r: packed pair i = 2 (j%2) + r of k-step j/2.
             const u32 value = dsa[j / 2][2 * (j % 2) + r];
             const u32 addr = ds_tile + (j / 8) * kBlockN * 128 + row * 128 + (((j % 8) ^ (row % 8)) * 16) + (lane % 4) * 4;
-            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(value) : "memory");
+            st_shared_b32(addr, value);
         }
     }
 }
@@ -266,8 +254,7 @@ CF_DEVICE void add_query_gradient(const float (&dq)[32], u32 staging, float* par
     __syncwarp();
 #pragma unroll
     for (int c = 0; c < 8; ++c)
-        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "r"(staging + (c * 32 + lane) * 16),
-                     "f"(dq[4 * c]), "f"(dq[4 * c + 1]), "f"(dq[4 * c + 2]), "f"(dq[4 * c + 3]) : "memory");
+        st_shared_f32x4(staging + (c * 32 + lane) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
     fence_proxy_async_smem();  // the stores, before the copy engine reads them
     __syncwarp();
     if (lane == 0) {

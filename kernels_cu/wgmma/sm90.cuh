@@ -83,6 +83,13 @@ CF_DEVICE void tma_load_4d(u32 dst, const TensorMap* map, u32 bar, int c0, int c
         : "memory");
 }
 
+// ---- bulk copy global -> shared (no tensor map), completing on an mbarrier ----------------------
+// `bytes` (a multiple of 16, from a 16-byte aligned address) into shared memory at dst; bar expects them.
+CF_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
 // ---- warpgroup MMA protocol --------------------------------------------------------------------
 CF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 CF_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

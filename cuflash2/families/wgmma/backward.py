@@ -20,7 +20,7 @@ from ...problem.features import AttentionProblem
 from ...problem.tensors import SHORT_DTYPE, SUPPORTED_DTYPES
 from ...runtime import launcher, tensor_maps
 from ..mma_sync import convert_accumulator
-from .forward import ARCH, HANG_CHECK_VARIABLE, hang_check
+from .forward import ARCH, HANG_CHECK_VARIABLE, cpp_bool, hang_check, sm90a_options
 
 SOURCE = "wgmma/flash_bwd_sm90.cu"
 #: Query rows per step for each head dim the kernel is built for (BwdTile): at 128 the two consumer
@@ -59,16 +59,15 @@ class WgmmaBwdConfig:
         return smem_bytes(self.head_dim)
 
     def template_name(self) -> str:
-        flag = {True: "true", False: "false"}
-        return (f"flash_bwd_sm90<{self.head_dim}, {flag[self.causal]}, {flag[self.dtype == 'bfloat16']}, "
-                f"{flag[self.gqa]}>")
+        return (f"flash_bwd_sm90<{self.head_dim}, {cpp_bool(self.causal)}, {cpp_bool(self.dtype == 'bfloat16')}, "
+                f"{cpp_bool(self.gqa)}>")
 
     def short_id(self) -> str:
         return (f"wgmma_bwd_d{self.head_dim}_{'causal' if self.causal else 'full'}_{SHORT_DTYPE[self.dtype]}"
                 f"{'_gqa' if self.gqa else ''}{'_hangcheck' if self.hang_check else ''}")
 
     def compile_options(self) -> tuple[str, ...]:
-        return ("-arch=sm_90a",) + (("-DCF_HANG_CHECK",) if self.hang_check else ())
+        return sm90a_options(self.hang_check)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +84,13 @@ class WgmmaBwdPassConfig:
     smem_bytes = 0
 
     def template_name(self) -> str:
-        return f"flash_bwd_{self.kernel}_sm90<{self.head_dim}, {'true' if self.dtype == 'bfloat16' else 'false'}>"
+        return f"flash_bwd_{self.kernel}_sm90<{self.head_dim}, {cpp_bool(self.dtype == 'bfloat16')}>"
 
     def short_id(self) -> str:
         return f"wgmma_bwd_{self.kernel}_d{self.head_dim}_{SHORT_DTYPE[self.dtype]}"
 
     def compile_options(self) -> tuple[str, ...]:
-        return ("-arch=sm_90a",)
+        return sm90a_options()
 
 
 def all_configs() -> list:

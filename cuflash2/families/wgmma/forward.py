@@ -65,16 +65,25 @@ class WgmmaFwdConfig:
         return (self.block_m + 2 * STAGES * self.block_n) * 128 * self.panels + 128 + 1024
 
     def template_name(self) -> str:
-        flag = {True: "true", False: "false"}
-        return (f"flash_fwd_sm90<{self.head_dim}, {self.block_n}, {self.groups}, {flag[self.causal]}, "
-                f"{flag[self.dtype == 'bfloat16']}>")
+        return (f"flash_fwd_sm90<{self.head_dim}, {self.block_n}, {self.groups}, {cpp_bool(self.causal)}, "
+                f"{cpp_bool(self.dtype == 'bfloat16')}>")
 
     def short_id(self) -> str:
         return (f"wgmma_fwd_d{self.head_dim}_m{self.block_m}_n{self.block_n}_{'causal' if self.causal else 'full'}_"
                 f"{SHORT_DTYPE[self.dtype]}{'_hangcheck' if self.hang_check else ''}")
 
     def compile_options(self) -> tuple[str, ...]:
-        return ("-arch=sm_90a",) + (("-DCF_HANG_CHECK",) if self.hang_check else ())
+        return sm90a_options(self.hang_check)
+
+
+def cpp_bool(x: bool) -> str:
+    """A template argument's spelling of a flag."""
+    return "true" if x else "false"
+
+
+def sm90a_options(hang_check: bool = False) -> tuple[str, ...]:
+    """NVRTC options of the family's kernels (the debug build with bounded barrier waits if asked)."""
+    return ("-arch=sm_90a",) + (("-DCF_HANG_CHECK",) if hang_check else ())
 
 
 #: Causal calls with query and key lengths up to this many rows take two consumer warpgroups at head
