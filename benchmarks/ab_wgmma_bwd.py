@@ -10,6 +10,7 @@ FLOPs follow FA2's convention (2.5x the forward's).
 """
 
 import argparse
+import dataclasses
 import math
 
 import cupy as cp
@@ -31,6 +32,7 @@ def main():
     parser.add_argument("--head-dim", type=int, choices=wgmma_bwd.HEAD_DIMS, default=128)
     parser.add_argument("--heads-kv", type=int, default=0, help="default: as many as query heads")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--deterministic", action="store_true", help="also time deterministic=True's kernel")
     parser.add_argument("--baseline", default="",
                         help="comma list of kernel sources (relative to kernels_cu/) to compare with")
     args = parser.parse_args()
@@ -61,6 +63,8 @@ def main():
         config = wgmma_bwd.WgmmaBwdConfig(d, args.causal, args.dtype, hk != h)
         variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
                                      for source in filter(None, args.baseline.split(","))]
+        if args.deterministic:
+            variants.append(("deterministic ", dataclasses.replace(config, deterministic=True)))
         for label, variant in variants:
             run = lambda: wgmma_bwd.backward(problem, *infos, 0, stream, config=variant)  # noqa: E731
             with stream:  # its scratch (CuPy's pool) on the same stream

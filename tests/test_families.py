@@ -52,11 +52,11 @@ def test_mma_sync_runs_every_direction_by_default_but_the_sm90_forward_and_backw
 
 
 def test_the_hopper_backward_runs_head_dims_64_and_128(monkeypatch):
-    """Head dim 64 and 128 backwards on sm_90, not deterministic ones (its dQ sums run in no fixed order)."""
+    """Head dim 64 and 128 backwards on sm_90, deterministic ones too (their dQ sums in a fixed order)."""
     monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
     assert families.family_for(90, PROBLEM, "backward") is wgmma.FAMILY
     assert families.family_for(80, PROBLEM, "backward") is mma_sync.FAMILY
-    assert families.family_for(90, PROBLEM, "backward", deterministic=True) is mma_sync.FAMILY
+    assert families.family_for(90, PROBLEM, "backward", deterministic=True) is wgmma.FAMILY
     d64 = AttentionProblem(AttentionShape(2, 512, 512, 8, 8, 64, "bfloat16", 0.125), True)
     assert families.family_for(90, d64, "backward") is wgmma.FAMILY
     d256 = AttentionProblem(AttentionShape(2, 512, 512, 8, 8, 256, "bfloat16", 0.0625), True)

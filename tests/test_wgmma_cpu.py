@@ -96,7 +96,7 @@ def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest(monkeypatch)
     assert families.family_for(80, _problem(), "forward", tensors).name == "mma_sync"
     grads = tensors + [("dout", q), ("dq", q), ("dk", q), ("dv", q)]
     assert families.family_for(90, _problem(), "backward", grads).name == "wgmma"  # head dim 128
-    assert families.family_for(90, _problem(), "backward", grads, deterministic=True).name == "mma_sync"
+    assert families.family_for(90, _problem(), "backward", grads, deterministic=True).name == "wgmma"
     assert families.family_for(90, _problem(d=64), "backward", grads).name == "wgmma"
     assert families.family_for(90, _problem(d=96), "backward", grads).name == "mma_sync"
     assert families.family_for(90, _problem(), "backward", misaligned_grads := [("dout", _bshd(ptr=(1 << 20) + 2))]
@@ -286,7 +286,7 @@ def test_the_backward_runs_head_dims_64_and_128_and_leaves_the_rest(monkeypatch)
     q = _bshd()
     grads = [("dout", q), ("q", q), ("k", q), ("v", q), ("out", q), ("dq", q), ("dk", q), ("dv", q)]
     assert wgmma_bwd.unsupported_reason(90, _problem(causal=True), False, grads) == ""
-    assert "deterministic" in wgmma_bwd.unsupported_reason(90, _problem(), True, grads)
+    assert wgmma_bwd.unsupported_reason(90, _problem(), True, grads) == ""  # deterministic: ordered dQ adds
     assert wgmma_bwd.unsupported_reason(90, _problem(d=64), False, grads) == ""
     assert "head dims 64 and 128, got 256" in wgmma_bwd.unsupported_reason(90, _problem(d=256), False, grads)
     assert "compute capability 9.0" in wgmma_bwd.unsupported_reason(80, _problem(), False, grads)
@@ -347,3 +347,15 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
     fields = wgmma_bwd.PARAMS.unpack(packed)  # ..., 5 ints, 2 floats (BwdParams)
     assert fields[-7:-2] == (sq, sk, h, h // hk, m_blocks)
     assert fields[-1] == pytest.approx(0.1) and fields[-2] == pytest.approx(0.1 * 1.4426950408889634)
+
+
+def test_the_deterministic_backward_is_its_own_instantiation():
+    """deterministic=True compiles the kernel with ordered dQ reductions (its own template flag and
+    cache entry), and every head dim, dtype and mask has one."""
+    plain = wgmma_bwd.WgmmaBwdConfig(128, True, "bfloat16", False)
+    ordered = wgmma_bwd.WgmmaBwdConfig(128, True, "bfloat16", False, deterministic=True)
+    assert plain.template_name().endswith("false>") and ordered.template_name().endswith("true>")
+    assert ordered.short_id() != plain.short_id() and ordered != plain
+    configs = [c for c in wgmma_bwd.all_configs() if isinstance(c, wgmma_bwd.WgmmaBwdConfig)]
+    assert {(c.head_dim, c.causal, c.dtype, c.gqa) for c in configs if c.deterministic} == {
+        (c.head_dim, c.causal, c.dtype, c.gqa) for c in configs if not c.deterministic}

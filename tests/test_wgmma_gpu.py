@@ -271,6 +271,42 @@ def test_the_backward_leaves_what_the_hopper_kernel_does_not_run_to_mma_sync(ran
     dout = cp.asarray(np.ones(q.shape, np.float32).astype(q.dtype))
     grads = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, **options)
     cp.cuda.get_current_stream().synchronize()
-    expected, other = ("wgmma", "mma_sync") if case in ("d64", "d128 causal") else ("mma_sync", "wgmma")
+    expected, other = ("wgmma", "mma_sync") if case in ("d64", "d128 causal", "deterministic") else ("mma_sync", "wgmma")
     assert ran_backward[expected] >= 1 and ran_backward[other] == 0, ran_backward
     assert all(bool(cp.isfinite(as_float32(cp, g)).all()) for g in grads)
+
+
+@hopper_only
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("b, sq, sk, h, hk, causal", [(2, 1000, 1000, 4, 4, False), (2, 1000, 1000, 4, 4, True),
+                                                      (1, 700, 1500, 8, 2, True), (1, 1500, 700, 4, 1, True),
+                                                      (3, 97, 1100, 2, 2, False)])
+def test_the_deterministic_hopper_backward_gives_the_same_bits_every_run(monkeypatch, b, sq, sk, h, hk, causal, d):
+    """deterministic=True runs the Hopper backward with ordered dQ reductions: the same gradients to
+    the bit on every run (many key blocks add to each query block here), within FA2's rule."""
+    import torch
+
+    from test_torch_gpu import reference
+
+    import cuflash2
+    from cuflash2.families.wgmma import backward as wgmma_backward
+
+    monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
+    modes = []
+    real = wgmma_backward.backward
+    monkeypatch.setattr(wgmma_backward, "backward", lambda *a, **kw: modes.append(a[12]) or real(*a, **kw))
+    torch.manual_seed(stable_seed("hopper-deterministic", b, sq, sk, h, hk, causal, d))
+    q, dout = (torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    run = lambda: _attention_grads(  # noqa: E731
+        lambda x, y, z: cuflash2.flash_attn_func(x, y, z, causal=causal, deterministic=True), q, k, v, dout)
+    first = run()
+    for _ in range(3):
+        assert all(torch.equal(g, f) for g, f in zip(run(), first)), "gradients differ between runs"
+    assert modes and all(modes), "the deterministic Hopper backward did not run"
+    exact = _attention_grads(lambda x, y, z: reference(x.float(), y.float(), z.float(), causal), q, k, v,
+                             dout.float())
+    low = _attention_grads(lambda x, y, z: reference(x, y, z, causal), q, k, v, dout)
+    for name, g, e, l in zip(("dq", "dk", "dv"), first, exact, low):
+        error, allowed = (g - e).abs().max().item(), 3 * (l - e).abs().max().item() + 1e-4
+        assert error <= allowed, f"{name}: error {error:.3g} > {allowed:.3g}"

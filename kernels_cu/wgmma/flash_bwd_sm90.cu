@@ -17,6 +17,12 @@
 // flash_bwd_dq_sm90 scales and converts it afterwards, and for GQA flash_bwd_convert_kernel sums the
 // per-query-head dK and dV written here in fp32.
 //
+// Deterministic mode (kDeterministic) fixes the order of those reductions: the CTAs of key blocks
+// 0, 1, 2, ... add to a query block in turn (DqTurns), and every CTA walks its query blocks last to
+// first, so that the CTAs of a head reach each block after the same number of steps and a turn costs
+// a short wait, not another CTA's head start (causal CTAs start at different blocks). CTAs wait only
+// for CTAs of lower key blocks, which are dispatched first: no CTA waits for one that cannot run.
+//
 // Tiles per head dim (BwdTile): head dim 128 takes 64 query rows per step and the groups split dQ's
 // columns; head dim 64 takes 128 rows (wider S^T products, which read less shared memory per MMA)
 // and the groups split dQ's rows. dK and dV (head_dim / 2 registers each) and S^T, dP^T
@@ -29,6 +35,8 @@ struct BwdParams {
     const float* lse_log2;                  // (batch, heads, m_blocks * kBlockM): LSE * log2(e), +inf past seqlen_q
     const float* delta;                     // (batch, heads, m_blocks * kBlockM): rowsum(dO * O), 0 past seqlen_q
     float* dq_acc;                          // (batch, heads, m_blocks, DqFragments) fp32, zero at launch
+    int* dq_turns;                          // deterministic mode: (batch, heads, m_blocks, 8 warps) int32, zero
+                                            //   at launch (DqTurns); null otherwise
     void* dk;                               // bf16/fp16 (batch, seqlen_k, kv heads, head_dim) by its strides, or
     void* dv;                               //   with GQA fp32 (batch, seqlen_k, heads, head_dim) contiguous
     i64 dk_batch_stride, dk_row_stride, dk_head_stride;
@@ -37,7 +45,7 @@ struct BwdParams {
     float scale_log2;                       // softmax_scale * log2(e)
     float softmax_scale;
 };
-static_assert(sizeof(BwdParams) == 640, "BwdParams: host layout (4 maps, 5 pointers, 6 i64, 5 int, 2 float)");
+static_assert(sizeof(BwdParams) == 640, "BwdParams: host layout (4 maps, 6 pointers, 6 i64, 5 int, 2 float)");
 
 namespace bwd {
 
@@ -92,6 +100,13 @@ CF_DEVICE int first_query_block(int n_block, const BwdParams& p) {
     return first_row <= 0 ? 0 : first_row / T::kBlockM;
 }
 
+// Step `it` of a CTA whose query blocks are [first, m_blocks): ascending, or last to first in
+// deterministic mode (see the top of the file).
+template <bool kDeterministic>
+CF_DEVICE int query_block(int it, int first, const BwdParams& p) {
+    return kDeterministic ? p.m_blocks - 1 - it : first + it;
+}
+
 // dQ accumulator layout: per (batch, head, query block) the 8 consumer warps' parts, 1024 floats each
 // (warp w of group g: query rows 64 query_panel(g) + 16 w .. + 15 of the block, columns
 // 64 column_panel(g) .. + 63), each in the warp's fragment order, so that a warp stages it with
@@ -107,7 +122,7 @@ struct DqFragments {
 };
 
 // ---- producer ------------------------------------------------------------------------------------
-template <class T, bool kCausal>
+template <class T, bool kCausal, bool kDeterministic>
 CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch) {
     tma_prefetch_map(&p.q_map);
     tma_prefetch_map(&p.do_map);
@@ -124,8 +139,8 @@ CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n
                     kv_head, batch, kv_policy);
     }
     const int first = first_query_block<T, kCausal>(n_block, p);
-    for (int m = first, it = 0; m < p.m_blocks; ++m, ++it) {
-        const int stage = it % kStages;
+    for (int it = 0; it < p.m_blocks - first; ++it) {
+        const int m = query_block<kDeterministic>(it, first, p), stage = it % kStages;
         mbarrier_wait(bars.qdo_empty(stage), ((it / kStages) & 1) ^ 1);
         mbarrier_arrive_expect_bytes(bars.qdo_full(stage), 2 * T::kQBytes + 2 * T::kRowBytes);
         const i64 rows = ((i64)batch * p.nheads + head) * p.m_blocks * T::kBlockM + m * T::kBlockM;
@@ -247,20 +262,57 @@ CF_DEVICE void store_score_gradients(u32 ds_tile, const u32 (&dsa)[T::kBlockM / 
     }
 }
 
+// Deterministic mode's turns: one counter per query block and warp part (dq_turns, zero at launch).
+// The warp of key block n waits until its counter reads n, adds its part, and sets the counter to
+// n + 1 once that reduction has completed. Waiting for the completion takes a round trip to L2, so
+// the release is deferred to the middle of the next step (release()), by when it has completed.
+// In the default mode every call is a no-op. Lane 0 acts for the warp.
+template <bool kDeterministic>
+struct DqTurns {
+    int* counters;           // this warp's counter of query block 0 (8 per query block)
+    int* pending = nullptr;  // the counter to release
+
+    CF_DEVICE void take(int m, int n_block, int lane) {
+        if constexpr (kDeterministic) {
+            if (lane == 0) {
+                pending = counters + 8 * m;
+                wait_for_turn(pending, n_block);
+                fence_proxy_async_global();  // the reduction (async proxy) after the acquire
+            }
+        }
+    }
+    CF_DEVICE void release(int n_block, int lane) {
+        if constexpr (kDeterministic) {
+            if (lane == 0 && pending != nullptr) {
+                bulk_wait_all();
+                fence_proxy_async_global();  // the completed reduction before the release
+                st_release_gpu(pending, n_block + 1);
+                pending = nullptr;
+            }
+            __syncwarp();
+        }
+    }
+};
+
 // The warp's dQ part into its staging buffer (DqFragments order), then (lane 0) one bulk reduction
-// into the accumulator `part`. The buffer is free once the previous reduction has read it.
-CF_DEVICE void add_query_gradient(const float (&dq)[32], u32 staging, float* part, int lane) {
-    if (lane == 0) bulk_wait_read<0>();
+// into the accumulator `part`, in deterministic mode at the warp's turn. The buffer is free once the
+// previous reduction has read it (in deterministic mode: completed, at the previous release).
+template <bool kDeterministic>
+CF_DEVICE void add_query_gradient(const float (&dq)[32], u32 staging, float* part, int lane,
+                                  DqTurns<kDeterministic>& turns, int m, int n_block) {
+    if (!kDeterministic && lane == 0) bulk_wait_read<0>();
     __syncwarp();
 #pragma unroll
     for (int c = 0; c < 8; ++c)
         st_shared_f32x4(staging + (c * 32 + lane) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
     fence_proxy_async_smem();  // the stores, before the copy engine reads them
     __syncwarp();
+    turns.take(m, n_block, lane);
     if (lane == 0) {
         bulk_reduce_add_f32(part, staging, kDqWarpBytes);
         bulk_commit();
     }
+    __syncwarp();
 }
 
 // This thread's two rows of dK or dV: 16-bit pairs into the gradient, or fp32 pairs into the
@@ -289,7 +341,7 @@ CF_DEVICE void store_key_gradient(const float (&acc)[T::kHeadDim / 2], float sca
     }
 }
 
-template <class T, bool kCausal, bool kBf16, bool kGqa>
+template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic>
 CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, int n_block, int head,
                        int batch) {
     constexpr int kM = T::kBlockM, kD = T::kHeadDim;
@@ -300,13 +352,16 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
     float* dq_blocks = p.dq_acc + ((i64)batch * p.nheads + head) * p.m_blocks * DqFragments<T>::kFloats +
                        DqFragments<T>::part(group, warp);
     const u32 dq_staging = smem + T::kDq + (group * 4 + warp) * kDqWarpBytes;
+    DqTurns<kDeterministic> turns{kDeterministic ? p.dq_turns + ((i64)batch * p.nheads + head) * p.m_blocks * 8 +
+                                                       group * 4 + warp
+                                                 : nullptr};
     float dv[kD / 2], dk[kD / 2];
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) dv[i] = dk[i] = 0.f;
     mbarrier_wait(bars.kv_full(), 0);
     const int first = first_query_block<T, kCausal>(n_block, p);
-    for (int m = first, it = 0; m < p.m_blocks; ++m, ++it) {
-        const int stage = it % kStages;
+    for (int it = 0; it < p.m_blocks - first; ++it) {
+        const int m = query_block<kDeterministic>(it, first, p), stage = it % kStages;
         const u32 q_tile = smem + T::kQ + stage * T::kQBytes, do_tile = smem + T::kDO + stage * T::kQBytes;
         const u32 ds_tile = smem + T::kDs + (it % 2) * T::kDsBytes;
         const u32 lse_rows = smem + T::kLse + stage * T::kRowBytes;
@@ -326,6 +381,7 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         wgmma_wait<0>();
         register_fence(dp);
         score_gradients<T>(dp, s, lane, smem + T::kDelta + stage * T::kRowBytes);
+        turns.release(n_block, lane);  // the previous step's reduction, well under way by now
         u32 pa[kM / 16][4], dsa[kM / 16][4];
         pack_operand<kBf16>(s, pa);
         pack_operand<kBf16>(dp, dsa);
@@ -356,8 +412,9 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         wgmma_commit();
         wgmma_wait<0>();
         register_fence(dq);
-        add_query_gradient(dq, dq_staging, dq_blocks + (i64)m * DqFragments<T>::kFloats, lane);
+        add_query_gradient(dq, dq_staging, dq_blocks + (i64)m * DqFragments<T>::kFloats, lane, turns, m, n_block);
     }
+    turns.release(n_block, lane);
     if (lane == 0) bulk_wait_all();  // the last reductions complete before the CTA's shared memory goes
     store_key_gradient<T, kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride,
                                        p.dk_head_stride, key, head, batch, lane, p);
@@ -367,7 +424,7 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
 
 }  // namespace bwd
 
-template <int kHeadDim, bool kCausal, bool kBf16, bool kGqa>
+template <int kHeadDim, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic>
 __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParams p) {
     using namespace bwd;
     using T = BwdTile<kHeadDim>;
@@ -387,10 +444,10 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
     const int group = threadIdx.x / 128;
     if (group == 0) {
         registers_release<kProducerRegs>();
-        if (threadIdx.x == 0) produce<T, kCausal>(p, smem, bars, n_block, head, batch);
+        if (threadIdx.x == 0) produce<T, kCausal, kDeterministic>(p, smem, bars, n_block, head, batch);
     } else {
         registers_claim<kConsumerRegs>();
-        consume<T, kCausal, kBf16, kGqa>(p, smem, bars, group - 1, n_block, head, batch);
+        consume<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group - 1, n_block, head, batch);
     }
 }
 

@@ -1,5 +1,5 @@
-// Hopper (sm_90a) building blocks of the wgmma kernel family: mbarriers, TMA tensor copies,
-// warpgroup MMA protocol, shared-memory matrix descriptors, register reallocation and named
+// Hopper (sm_90a) building blocks of the wgmma kernel family: mbarriers, turn counters, TMA tensor
+// copies, warpgroup MMA protocol, shared-memory matrix descriptors, register reallocation and named
 // barriers. Bare PTX (no CUDA headers), so NVRTC compiles it without a toolkit.
 #pragma once
 #include "common/ptx.cuh"
@@ -63,6 +63,29 @@ CF_DEVICE void mbarrier_wait(u32 bar, u32 parity) {
         if (global_timer_ns() - start > 4000000000ull) asm volatile("trap;\n");
 #else
     while (!mbarrier_try_wait(bar, parity)) {
+    }
+#endif
+}
+
+// ---- turn counters in global memory (CTAs taking turns) ----------------------------------------
+CF_DEVICE int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+CF_DEVICE void st_release_gpu(int* p, int v) { asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory"); }
+// Orders global accesses between the generic proxy (the counters) and the async proxy (bulk copies).
+CF_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+// Spins until *counter == turn (then acquires what the previous holder released). CF_HANG_CHECK
+// builds trap after 4 seconds, like the barrier waits.
+CF_DEVICE void wait_for_turn(const int* counter, int turn) {
+#ifdef CF_HANG_CHECK
+    if (ld_acquire_gpu(counter) == turn) return;
+    const u64 start = global_timer_ns();
+    while (ld_acquire_gpu(counter) != turn)
+        if (global_timer_ns() - start > 4000000000ull) asm volatile("trap;\n");
+#else
+    while (ld_acquire_gpu(counter) != turn) {
     }
 #endif
 }

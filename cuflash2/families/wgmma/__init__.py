@@ -1,7 +1,7 @@
 """The wgmma kernel family (Hopper, sm_90a): a warp-specialised forward and backward on warpgroup
 MMAs fed by TMA tensor copies (kernels_cu/wgmma/). On compute capability 9.0 it runs the dense
-forward, plain or causal, and the dense backward at head dims 64 and 128 (not deterministic); every other
-call goes to the next family (mma_sync).
+forward, plain or causal, and the dense backward at head dims 64 and 128; every other call goes to
+the next family (mma_sync).
 
 Modules: forward and backward (tiles, what each runs, the launches with their parameter structs).
 """
@@ -31,7 +31,7 @@ class WgmmaFamily:
     @staticmethod
     def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, device_id: int, stream,
                  deterministic: bool = False) -> None:
-        backward_kernel.backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream)
+        backward_kernel.backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream, deterministic)
 
     @staticmethod
     def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream) -> None:

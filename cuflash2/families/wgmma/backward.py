@@ -29,8 +29,8 @@ BLOCK_M = {64: 128, 128: 64}
 HEAD_DIMS = tuple(BLOCK_M)
 BLOCK_N = 128  # keys per CTA
 THREADS = 384
-# BwdParams (flash_bwd_sm90.cu): 4 maps, 5 pointers, 6 i64 strides, 5 ints, 2 floats, padding to 640.
-PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqqiiiiiff12x")
+# BwdParams (flash_bwd_sm90.cu): 4 maps, 6 pointers, 6 i64 strides, 5 ints, 2 floats, padding to 640.
+PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiff4x")
 
 
 def smem_bytes(head_dim: int) -> int:
@@ -49,6 +49,7 @@ class WgmmaBwdConfig:
     causal: bool
     dtype: str
     gqa: bool  # dK, dV per query head in fp32 (summed over each group afterwards)
+    deterministic: bool = False  # dQ reductions in key-block order (DqTurns)
     hang_check: bool = False
 
     source_file = SOURCE
@@ -60,11 +61,12 @@ class WgmmaBwdConfig:
 
     def template_name(self) -> str:
         return (f"flash_bwd_sm90<{self.head_dim}, {cpp_bool(self.causal)}, {cpp_bool(self.dtype == 'bfloat16')}, "
-                f"{cpp_bool(self.gqa)}>")
+                f"{cpp_bool(self.gqa)}, {cpp_bool(self.deterministic)}>")
 
     def short_id(self) -> str:
         return (f"wgmma_bwd_d{self.head_dim}_{'causal' if self.causal else 'full'}_{SHORT_DTYPE[self.dtype]}"
-                f"{'_gqa' if self.gqa else ''}{'_hangcheck' if self.hang_check else ''}")
+                f"{'_gqa' if self.gqa else ''}{'_det' if self.deterministic else ''}"
+                f"{'_hangcheck' if self.hang_check else ''}")
 
     def compile_options(self) -> tuple[str, ...]:
         return sm90a_options(self.hang_check)
@@ -95,8 +97,8 @@ class WgmmaBwdPassConfig:
 
 def all_configs() -> list:
     """Every instantiation a call can pick (the compile check builds them all)."""
-    return [WgmmaBwdConfig(d, causal, dtype, gqa) for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES
-            for causal in (False, True) for gqa in (False, True)] + [
+    return [WgmmaBwdConfig(d, causal, dtype, gqa, deterministic) for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES
+            for causal in (False, True) for gqa in (False, True) for deterministic in (False, True)] + [
         WgmmaBwdPassConfig(kernel, d, dtype) for kernel in ("rows", "dq") for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES]
 
 
@@ -111,8 +113,6 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
         return f"runs head dims {' and '.join(map(str, HEAD_DIMS))}, got {shape.head_dim}"
     if not problem.plain or problem.features.varlen:
         return "runs plain and causal attention only (no window, softcap, ALiBi, dropout or varlen)"
-    if deterministic:
-        return "adds dQ in no fixed order (deterministic=True: the mma.sync backward)"
     # TMA maps (q, k, v, dout), 16-byte loads (out), 8-byte stores (the conversion of dk and dv with
     # GQA); dq, and without GQA dk and dv, are stored in 4-byte pairs.
     paired = ("dq",) if shape.kv_group > 1 else ("dq", "dk", "dv")
@@ -147,13 +147,13 @@ def _ptr(x):
 
 
 def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, device_id: int, stream,
-             config: WgmmaBwdConfig | None = None) -> None:
+             deterministic: bool = False, config: WgmmaBwdConfig | None = None) -> None:
     """dq, dk, dv <- the gradients (TensorInfos, (batch, seqlen, heads, head_dim); lse (batch, heads,
-    seqlen_q) fp32 contiguous), queued on `stream`."""
+    seqlen_q) fp32 contiguous), queued on `stream`; `deterministic`: the same bits on every run."""
     shape = problem.shape
     b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.head_dim
     gqa = shape.kv_group > 1
-    config = config or WgmmaBwdConfig(d, bool(problem.causal), shape.dtype, gqa, hang_check())
+    config = config or WgmmaBwdConfig(d, bool(problem.causal), shape.dtype, gqa, deterministic, hang_check())
     block_m = BLOCK_M[d]
     m_blocks = math.ceil(sq / block_m)
     padded = m_blocks * block_m
@@ -165,6 +165,10 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
                             _ptr(delta_i.data_ptr), *map(_i64, dout.strides[:3]), *map(_i64, out.strides[:3]),
                             _i32(sq), _i32(h), _i32(m_blocks)))
     dq_acc, dq_acc_i = launcher.scratch((b, h, m_blocks, block_m * d), zero=True)  # DqFragments order
+    if config.deterministic:  # DqTurns: a counter per query block and consumer warp
+        turns, turns_i = launcher.scratch((b, h, m_blocks, 8), np.int32, zero=True)
+    else:
+        turns, turns_i = None, None
     if gqa:  # per query head, summed over each group by the conversion
         (dk_acc, dk_t), (dv_acc, dv_t) = (launcher.scratch((b, sk, h, d)) for _ in range(2))
     else:
@@ -173,13 +177,13 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     scale = shape.softmax_scale
 
     def build(addresses) -> tuple:
-        q_at, k_at, v_at, do_at, lse_at, delta_at, dq_at, dk_at, dv_at = addresses
+        q_at, k_at, v_at, do_at, lse_at, delta_at, dq_at, turns_at, dk_at, dv_at = addresses
         return (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, BLOCK_N, b, sk, hk), _map(v, v_at, BLOCK_N, b, sk, hk),
-                _map(dout, do_at, block_m, b, sq, h), lse_at, delta_at, dq_at, dk_at, dv_at,
+                _map(dout, do_at, block_m, b, sq, h), lse_at, delta_at, dq_at, turns_at or 0, dk_at, dv_at,
                 dk_t.strides[0], dk_t.strides[1], dk_t.strides[2], dv_t.strides[0], dv_t.strides[1], dv_t.strides[2],
                 sq, sk, h, shape.kv_group, m_blocks, scale * math.log2(math.e), scale)
 
-    arguments = launcher.StructArguments(PARAMS, (q, k, v, dout, lse_log2_i, delta_i, dq_acc_i, dk_t, dv_t), build)
+    arguments = launcher.StructArguments(PARAMS, (q, k, v, dout, lse_log2_i, delta_i, dq_acc_i, turns_i, dk_t, dv_t), build)
     launcher.launch_struct_kernel(config, device_id, stream, (math.ceil(sk / BLOCK_N), h, b), arguments)
     launcher.launch_kernel(WgmmaBwdPassConfig("dq", d, shape.dtype), device_id, stream, (m_blocks, h, b),
                            (_ptr(dq_acc_i.data_ptr), _ptr(dq.data_ptr), *map(_i64, dq.strides[:3]), _i32(sq), _i32(h),
@@ -187,7 +191,7 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     if gqa:
         for acc, grad in ((dk_t, dk), (dv_t, dv)):
             convert_accumulator(shape.dtype, device_id, stream, acc, grad, b, sk, hk, d, shape.kv_group, 1.0)
-    del lse_log2, delta, dq_acc, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
+    del lse_log2, delta, dq_acc, turns, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
 
 
 __all__ = ["HANG_CHECK_VARIABLE", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
