@@ -264,9 +264,10 @@ CF_DEVICE void store_score_gradients(u32 ds_tile, const u32 (&dsa)[T::kBlockM / 
 
 // Deterministic mode's turns: one counter per query block and warp part (dq_turns, zero at launch).
 // The warp of key block n waits until its counter reads n, adds its part, and sets the counter to
-// n + 1 once that reduction has completed. Waiting for the completion takes a round trip to L2, so
-// the release is deferred to the middle of the next step (release()), by when it has completed.
-// In the default mode every call is a no-op. Lane 0 acts for the warp.
+// n + 1 once that reduction has completed. Waiting for the completion takes a round trip to L2
+// (longer than half a step under load: releasing mid next step cost 30-37%), so the release waits
+// for the warp's next reduction (take()), a whole step later, or the end (release()). In the default
+// mode every call is a no-op. Lane 0 acts for the warp.
 template <bool kDeterministic>
 struct DqTurns {
     int* counters;           // this warp's counter of query block 0 (8 per query block)
@@ -274,6 +275,7 @@ struct DqTurns {
 
     CF_DEVICE void take(int m, int n_block, int lane) {
         if constexpr (kDeterministic) {
+            release(n_block, lane);
             if (lane == 0) {
                 pending = counters + 8 * m;
                 wait_for_turn(pending, n_block);
@@ -289,18 +291,17 @@ struct DqTurns {
                 st_release_gpu(pending, n_block + 1);
                 pending = nullptr;
             }
-            __syncwarp();
         }
     }
 };
 
 // The warp's dQ part into its staging buffer (DqFragments order), then (lane 0) one bulk reduction
 // into the accumulator `part`, in deterministic mode at the warp's turn. The buffer is free once the
-// previous reduction has read it (in deterministic mode: completed, at the previous release).
+// previous reduction has read it.
 template <bool kDeterministic>
 CF_DEVICE void add_query_gradient(const float (&dq)[32], u32 staging, float* part, int lane,
                                   DqTurns<kDeterministic>& turns, int m, int n_block) {
-    if (!kDeterministic && lane == 0) bulk_wait_read<0>();
+    if (lane == 0) bulk_wait_read<0>();
     __syncwarp();
 #pragma unroll
     for (int c = 0; c < 8; ++c)
@@ -381,7 +382,6 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         wgmma_wait<0>();
         register_fence(dp);
         score_gradients<T>(dp, s, lane, smem + T::kDelta + stage * T::kRowBytes);
-        turns.release(n_block, lane);  // the previous step's reduction, well under way by now
         u32 pa[kM / 16][4], dsa[kM / 16][4];
         pack_operand<kBf16>(s, pa);
         pack_operand<kBf16>(dp, dsa);
@@ -414,7 +414,7 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         register_fence(dq);
         add_query_gradient(dq, dq_staging, dq_blocks + (i64)m * DqFragments<T>::kFloats, lane, turns, m, n_block);
     }
-    turns.release(n_block, lane);
+    turns.release(n_block, lane);  // the last one
     if (lane == 0) bulk_wait_all();  // the last reductions complete before the CTA's shared memory goes
     store_key_gradient<T, kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride,
                                        p.dk_head_stride, key, head, batch, lane, p);
