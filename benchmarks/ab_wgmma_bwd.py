@@ -63,8 +63,9 @@ def main():
         config = wgmma_bwd.WgmmaBwdConfig(d, args.causal, args.dtype, hk != h)
         variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
                                      for source in filter(None, args.baseline.split(","))]
-        if args.deterministic:
-            variants.append(("deterministic ", dataclasses.replace(config, deterministic=True)))
+        if args.deterministic:  # each source's deterministic=True kernel too
+            variants += [(label + "deterministic ", dataclasses.replace(variant, deterministic=True))
+                         for label, variant in variants]
         for label, variant in variants:
             run = lambda: wgmma_bwd.backward(problem, *infos, 0, stream, config=variant)  # noqa: E731
             with stream:  # its scratch (CuPy's pool) on the same stream
