@@ -154,6 +154,8 @@ def emit(rows, fmt: str, output: str | None, env: dict) -> None:
 @click.option("--dtype", type=click.Choice(("bf16", "fp16")), default="bf16", show_default=True)
 @click.option("--dropout", "dropout_p", type=click.FloatRange(min=0, max=1, max_open=True), default=0.0,
               show_default=True, help="Attention dropout probability of every problem (and of the SDPA runs).")
+@click.option("--deterministic", is_flag=True,
+              help="cuflash2's backward with deterministic=True (the same bits every run); SDPA runs as it is.")
 @click.option("--compare", default=None, callback=parse_compare, metavar="NAME[,NAME...]",
               help=f"Comma list of torch SDPA backends to time beside cuflash2: {', '.join(COMPARE_CHOICES)}.")
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
@@ -173,8 +175,8 @@ def emit(rows, fmt: str, output: str | None, env: dict) -> None:
               help="Decoding benchmark instead: one query token against a KV cache (32 query / 8 kv heads, "
                    "head dim 128), GB/s of K+V read; --seqlen sets the cache lengths (default 2k,8k,32k,64k), "
                    "--batch one batch size (default 1, 16 and 64).")
-def bench_command(mode, batch, seqlens, seqlen_k, heads, heads_kv, head_dims, causal, dtype, dropout_p, compare, warmup,
-                  repeats, rounds, flush_l2, peak, fmt, output, plot, decode) -> None:
+def bench_command(mode, batch, seqlens, seqlen_k, heads, heads_kv, head_dims, causal, dtype, dropout_p, deterministic,
+                  compare, warmup, repeats, rounds, flush_l2, peak, fmt, output, plot, decode) -> None:
     """Measure TFLOP/s and % of peak, beside torch SDPA backends.
 
     The default grid is FA2's benchmark: model dim 2048 (heads = 2048 / head dim), batch x seqlen =
@@ -184,6 +186,8 @@ def bench_command(mode, batch, seqlens, seqlen_k, heads, heads_kv, head_dims, ca
     convention), so torch SDPA, which aligns them top-left, is not timed on causal problems with
     seqlen != seqlen_k.
     """
+    if deterministic and mode == "fwd":
+        raise click.UsageError("--deterministic changes the backward only: use it with --mode bwd or fwd+bwd")
     if decode:
         if seqlen_k or heads_kv:
             raise click.UsageError("--seqlen-k and --heads-kv do not apply to --decode (its cache lengths are "
@@ -194,7 +198,7 @@ def bench_command(mode, batch, seqlens, seqlen_k, heads, heads_kv, head_dims, ca
         problems = bench_run.problem_grid(mode, dtype, seqlens or bench_run.DEFAULT_SEQLENS,
                                           head_dims or bench_run.DEFAULT_HEAD_DIMS,
                                           (False, True) if causal is None else (causal,), batch, heads, seqlen_k,
-                                          heads_kv, dropout_p)
+                                          heads_kv, dropout_p, deterministic)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     require_backward(mode)

@@ -36,6 +36,7 @@ class Problem:
     seqlen_k: int = 0  # key/value length; 0: seqlen
     heads_kv: int = 0  # key/value heads (GQA / MQA); 0: heads
     dropout_p: float = 0.0  # attention dropout (cuflash2 with a fixed seed, SDPA from torch's generator)
+    deterministic: bool = False  # cuflash2's deterministic backward (SDPA's backends run as they are)
 
     def __post_init__(self):
         object.__setattr__(self, "seqlen_k", self.seqlen_k or self.seqlen)
@@ -50,19 +51,20 @@ class Problem:
         kv = (f" k{self.seqlen_k}" if self.seqlen_k != self.seqlen else "") + (
             f" hkv{self.heads_kv}" if self.heads_kv != self.heads else "")
         return (f"{self.mode} d{self.head_dim} s{self.seqlen}{kv} b{self.batch} h{self.heads}"
-                f"{' causal' if self.causal else ''}{f' dropout {self.dropout_p:g}' if self.dropout_p else ''}")
+                f"{' causal' if self.causal else ''}{f' dropout {self.dropout_p:g}' if self.dropout_p else ''}"
+                f"{' deterministic' if self.deterministic else ''}")
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def problem_grid(mode, dtype, seqlens, head_dims, causals, batch=None, heads=None, seqlen_k=None,
-                 heads_kv=None, dropout_p=0.0) -> list[Problem]:
+                 heads_kv=None, dropout_p=0.0, deterministic=False) -> list[Problem]:
     """FA2's benchmark grid: batch * seqlen = 16k tokens, nheads * head_dim = 2048, unless given.
     `seqlen_k` fixes the key length of every problem, `heads_kv` the key/value heads (GQA), which
     must divide every problem's query heads (ValueError otherwise)."""
     problems = [Problem(mode, dtype, batch or max(1, TOKENS // seqlen), seqlen, heads or max(1, MODEL_DIM // head_dim),
-                        head_dim, causal, seqlen_k or 0, heads_kv or 0, dropout_p)
+                        head_dim, causal, seqlen_k or 0, heads_kv or 0, dropout_p, deterministic)
                 for head_dim in head_dims for causal in causals for seqlen in seqlens]
     for p in problems:
         if p.heads % p.heads_kv:
@@ -103,10 +105,11 @@ def cuflash2_runner(p: Problem, q, k, v, dout):
 
     if p.mode == "fwd":
         return fwd
+    backward_options = {**options, "deterministic": p.deterministic}
     if p.mode == "bwd":
         out, lse = fwd()
-        return lambda: cuflash2.flash_attn_backward(dout, q, k, v, out, lse, **options)
-    return lambda: cuflash2.flash_attn_backward(dout, q, k, v, *fwd(), **options)
+        return lambda: cuflash2.flash_attn_backward(dout, q, k, v, out, lse, **backward_options)
+    return lambda: cuflash2.flash_attn_backward(dout, q, k, v, *fwd(), **backward_options)
 
 
 def torch_runner(impl: str, p: Problem, q, k, v, dout):

@@ -317,6 +317,13 @@ def test_grid_with_key_length_and_kv_heads():
         bench_run.problem_grid("fwd", "bf16", [512], [128], [False], heads_kv=3)
 
 
+def test_grid_with_a_deterministic_backward(no_gpu):
+    grid = bench_run.problem_grid("bwd", "bf16", [1024], [128], [False], deterministic=True)
+    assert grid[0].deterministic and grid[0].label().endswith("deterministic")
+    result = invoke("bench", "--deterministic")  # the forward has nothing to make deterministic
+    assert result.exit_code == 2 and "--deterministic" in result.output and "--mode bwd" in result.output
+
+
 def test_grid_with_dropout_and_its_bounds(no_gpu):
     grid = bench_run.problem_grid("fwd+bwd", "bf16", [1024], [64], [True], dropout_p=0.1)
     assert grid[0].dropout_p == 0.1 and grid[0].label().endswith("causal dropout 0.1")

@@ -1,6 +1,7 @@
 """The Hopper (wgmma) forward without a GPU: tile choice, what it accepts, tensor-map checks, and
 the NVRTC compile of every sm_90a instantiation with ptxas' slowdown warnings treated as failures."""
 
+import numpy as np
 import pytest
 
 from cuflash2.families.wgmma import backward as wgmma_bwd
@@ -303,6 +304,34 @@ def test_the_backward_runs_head_dims_64_and_128_and_leaves_the_rest(monkeypatch)
     assert "dk" in wgmma_bwd.unsupported_reason(90, gqa, False, padded_rows)
 
 
+def _record_backward(monkeypatch, problem, deterministic=False):
+    """Runs the Hopper backward's host side with the launcher, tensor maps and conversions faked:
+    returns the tensors passed and what was asked of those (scratch, launches, maps, conversions)."""
+    s = problem.shape
+    b, sq, sk, h, hk, d = s.batch, s.seqlen_q, s.seqlen_k, s.nheads, s.nheads_kv, s.head_dim
+    q, dout, out, dq = (contiguous_info((b, sq, h, d), "bfloat16", 2, "cuda:0", (1 + i) << 24) for i in range(4))
+    k, v, dk, dv = (contiguous_info((b, sk, hk, d), "bfloat16", 2, "cuda:0", (5 + i) << 24) for i in range(4))
+    lse = contiguous_info((b, h, sq), "float32", 4, "cuda:0", 9 << 24)
+    record = dict(scratch=[], launches=[], maps=[], converts=[], tensors=dict(q=q, k=k, v=v, dout=dout))
+
+    def fake_scratch(shape, dtype=None, zero=False):
+        record["scratch"].append((tuple(shape), np.dtype(dtype or np.float32).name, zero))
+        return None, contiguous_info(tuple(shape), "float32", 4, "cuda:0", (16 + len(record["scratch"])) << 24)
+
+    monkeypatch.setattr(wgmma_bwd.launcher, "scratch", fake_scratch)
+    monkeypatch.setattr(wgmma_bwd.launcher, "launch_kernel", lambda config, device_id, stream, grid, args:
+                        record["launches"].append((config, tuple(grid))))
+    monkeypatch.setattr(wgmma_bwd.launcher, "launch_struct_kernel",
+                        lambda config, device_id, stream, grid, arguments: record["launches"].append(
+                            (config, tuple(grid), arguments.packer.pack(*arguments.fields()))))
+    monkeypatch.setattr(wgmma_bwd.tensor_maps, "encode_tiled",
+                        lambda dtype, ptr, sizes, strides, box: record["maps"].append((ptr, tuple(sizes), tuple(box)))
+                        or bytes(128))
+    monkeypatch.setattr(wgmma_bwd, "convert_accumulator", lambda *args, **kwargs: record["converts"].append(args))
+    wgmma_bwd.backward(problem, dout, q, k, v, out, lse, dq, dk, dv, 0, None, deterministic)
+    return record
+
+
 @pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True)])
 def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeypatch, d, gqa):
     """Without a GPU: the launches the Hopper backward queues (pre-pass, main kernel, dQ conversion,
@@ -311,42 +340,44 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
     b, sq, sk, h, hk = 2, 300, 200, 4, 2 if gqa else 4
     block_m = {64: 128, 128: 64}[d]  # BwdTile<d>::kBlockM
     m_blocks = -(-sq // block_m)
-    problem = AttentionProblem(AttentionShape(b, sq, sk, h, hk, d, "bfloat16", 0.1), True)
-    q, dout, out, dq = (contiguous_info((b, sq, h, d), "bfloat16", 2, "cuda:0", (1 + i) << 24) for i in range(4))
-    k, v, dk, dv = (contiguous_info((b, sk, hk, d), "bfloat16", 2, "cuda:0", (5 + i) << 24) for i in range(4))
-    lse = contiguous_info((b, h, sq), "float32", 4, "cuda:0", 9 << 24)
-    scratch, launches, maps, converts = [], [], [], []
+    record = _record_backward(monkeypatch, AttentionProblem(AttentionShape(b, sq, sk, h, hk, d, "bfloat16", 0.1), True))
+    scratch, maps, t = record["scratch"], record["maps"], record["tensors"]
 
-    def fake_scratch(shape, dtype=None, zero=False):
-        scratch.append((tuple(shape), zero))
-        return None, contiguous_info(tuple(shape), "float32", 4, "cuda:0", (16 + len(scratch)) << 24)
-
-    monkeypatch.setattr(wgmma_bwd.launcher, "scratch", fake_scratch)
-    monkeypatch.setattr(wgmma_bwd.launcher, "launch_kernel",
-                        lambda config, device_id, stream, grid, args: launches.append((config, tuple(grid))))
-    monkeypatch.setattr(wgmma_bwd.launcher, "launch_struct_kernel",
-                        lambda config, device_id, stream, grid, arguments: launches.append(
-                            (config, tuple(grid), arguments.packer.pack(*arguments.fields()))))
-    monkeypatch.setattr(wgmma_bwd.tensor_maps, "encode_tiled",
-                        lambda dtype, ptr, sizes, strides, box: maps.append((ptr, tuple(sizes), tuple(box))) or
-                        bytes(128))
-    monkeypatch.setattr(wgmma_bwd, "convert_accumulator", lambda *args, **kwargs: converts.append(args))
-    wgmma_bwd.backward(problem, dout, q, k, v, out, lse, dq, dk, dv, 0, None)
-
-    (rows, rows_grid), (main, main_grid, packed), (dq_pass, dq_grid) = launches
+    (rows, rows_grid), (main, main_grid, packed), (dq_pass, dq_grid) = record["launches"]
     assert (rows.kernel, rows_grid) == ("rows", (-(-m_blocks * block_m // 32), h, b))
-    assert (main.head_dim, main.causal, main.gqa) == (d, True, gqa)
+    assert (main.head_dim, main.causal, main.gqa, main.deterministic) == (d, True, gqa, False)
     assert main_grid == (-(-sk // wgmma_bwd.BLOCK_N), h, b)
     assert (dq_pass.kernel, dq_pass.head_dim, dq_grid) == ("dq", d, (m_blocks, h, b))
-    assert (scratch[0], scratch[1]) == (((b, h, m_blocks * block_m), False),) * 2  # LSE_log2, D
-    assert scratch[2] == ((b, h, m_blocks, block_m * d), True)  # the dQ accumulator, zeroed
-    assert len(converts) == (2 if gqa else 0)
+    assert scratch[:2] == [((b, h, m_blocks * block_m), "float32", False)] * 2  # LSE_log2, D
+    assert scratch[2] == ((b, h, m_blocks, block_m * d), "float32", True)  # the dQ accumulator, zeroed
+    assert len(scratch) == (5 if gqa else 3)  # + dK, dV per query head with GQA; no turn counters
+    assert len(record["converts"]) == (2 if gqa else 0)
     # Q and dO in boxes of the query block, K and V of the CTA's 128 keys; dims innermost first.
-    assert maps == [(q.data_ptr, (d, sq, h, b), (64, block_m, 1, 1)), (k.data_ptr, (d, sk, hk, b), (64, 128, 1, 1)),
-                    (v.data_ptr, (d, sk, hk, b), (64, 128, 1, 1)), (dout.data_ptr, (d, sq, h, b), (64, block_m, 1, 1))]
-    fields = wgmma_bwd.PARAMS.unpack(packed)  # ..., 5 ints, 2 floats (BwdParams)
-    assert fields[-7:-2] == (sq, sk, h, h // hk, m_blocks)
+    assert maps == [(t["q"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1)),
+                    (t["k"].data_ptr, (d, sk, hk, b), (64, 128, 1, 1)),
+                    (t["v"].data_ptr, (d, sk, hk, b), (64, 128, 1, 1)),
+                    (t["dout"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1))]
+    fields = wgmma_bwd.PARAMS.unpack(packed)  # ..., turns pointer, dk, dv, 6 i64, 6 ints, 2 floats (BwdParams)
+    assert fields[-17] == 0  # no turn counters
+    assert fields[-8:-2] == (sq, sk, h, h // hk, m_blocks, 0)
     assert fields[-1] == pytest.approx(0.1) and fields[-2] == pytest.approx(0.1 * 1.4426950408889634)
+
+
+@pytest.mark.parametrize("causal, sk, sms, cyclic", [(False, 1000, 132, 1), (False, 1000, 7, 0), (True, 1000, 132, 0)])
+def test_the_deterministic_backward_gets_zeroed_turn_counters_and_its_walk(monkeypatch, causal, sk, sms, cyclic):
+    """Deterministic calls get a zeroed int32 turn counter per query block, and
+    non-causal ones walk cyclically only when every CTA of a head (one per key block) fits on the
+    device at once (the kernel's turns wait for CTAs of any key block then)."""
+    b, sq, h, d = 2, 300, 4, 128
+    monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: sms)
+    problem = AttentionProblem(AttentionShape(b, sq, sk, h, h, d, "bfloat16", 0.1), causal)
+    record = _record_backward(monkeypatch, problem, deterministic=True)
+    m_blocks = -(-sq // 64)
+    (_, (main, main_grid, packed), _) = record["launches"]
+    assert main.deterministic and main_grid == (-(-sk // 128), h, b)  # 8 key blocks
+    assert record["scratch"][3] == ((b, h, m_blocks), "int32", True)
+    fields = wgmma_bwd.PARAMS.unpack(packed)
+    assert fields[-17] != 0 and fields[-3] == cyclic
 
 
 def test_the_deterministic_backward_is_its_own_instantiation():

@@ -280,10 +280,11 @@ def test_the_backward_leaves_what_the_hopper_kernel_does_not_run_to_mma_sync(ran
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("b, sq, sk, h, hk, causal", [(2, 1000, 1000, 4, 4, False), (2, 1000, 1000, 4, 4, True),
                                                       (1, 700, 1500, 8, 2, True), (1, 1500, 700, 4, 1, True),
-                                                      (3, 97, 1100, 2, 2, False)])
+                                                      (3, 97, 1100, 2, 2, False), (2, 1000, 1100, 4, 4, "linear")])
 def test_the_deterministic_hopper_backward_gives_the_same_bits_every_run(monkeypatch, b, sq, sk, h, hk, causal, d):
     """deterministic=True runs the Hopper backward with ordered dQ reductions: the same gradients to
-    the bit on every run (many key blocks add to each query block here), within FA2's rule."""
+    the bit on every run (many key blocks add to each query block here), within FA2's rule.
+    "linear": non-causal, with the walk a head takes when its CTAs do not all fit on the device."""
     import torch
 
     from test_torch_gpu import reference
@@ -292,6 +293,9 @@ def test_the_deterministic_hopper_backward_gives_the_same_bits_every_run(monkeyp
     from cuflash2.families.wgmma import backward as wgmma_backward
 
     monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
+    if causal == "linear":
+        monkeypatch.setattr(wgmma_backward, "sm_count", lambda device_id: 1)
+        causal = False
     modes = []
     real = wgmma_backward.backward
     monkeypatch.setattr(wgmma_backward, "backward", lambda *a, **kw: modes.append(a[12]) or real(*a, **kw))

@@ -17,11 +17,19 @@
 // flash_bwd_dq_sm90 scales and converts it afterwards, and for GQA flash_bwd_convert_kernel sums the
 // per-query-head dK and dV written here in fp32.
 //
-// Deterministic mode (kDeterministic) fixes the order of those reductions: the CTAs of key blocks
-// 0, 1, 2, ... add to a query block in turn (DqTurns), and every CTA walks its query blocks last to
-// first, so that the CTAs of a head reach each block after the same number of steps and a turn costs
-// a short wait, not another CTA's head start (causal CTAs start at different blocks). CTAs wait only
-// for CTAs of lower key blocks, which are dispatched first: no CTA waits for one that cannot run.
+// Deterministic mode (kDeterministic) fixes the order of those reductions: a turn keeper thread in
+// the producer warpgroup adds the CTA's whole dQ block with one bulk reduction at the CTA's turn on
+// that query block (keep_dq_turns, dq_turn). The order of turns is chosen so that each CTA's
+// predecessor on a block got there a step or more earlier, and the turns rarely wait:
+//  - causal: ascending walks, turns by descending key block (key block n + 1 starts one or two query
+//    blocks further down, so it reaches every block first);
+//  - non-causal, when all CTAs of a head fit on the device at once (dq_turn_cyclic): CTA n starts
+//    at query block n mod m_blocks and walks on cyclically, so at each step the CTAs of a head are
+//    on different blocks; turns follow the step at which a CTA reaches the block, then n;
+//  - non-causal otherwise: ascending walks, turns by descending key block (each CTA trails the
+//    next one by the wait, but no CTA waits for one that is not running yet).
+// CTAs are dispatched from the highest key block down, so every CTA that the first turns wait for
+// starts first; the cyclic order needs every CTA of the head on the device at once, hence the flag.
 //
 // Tiles per head dim (BwdTile): head dim 128 takes 64 query rows per step and the groups split dQ's
 // columns; head dim 64 takes 128 rows (wider S^T products, which read less shared memory per MMA)
@@ -35,17 +43,18 @@ struct BwdParams {
     const float* lse_log2;                  // (batch, heads, m_blocks * kBlockM): LSE * log2(e), +inf past seqlen_q
     const float* delta;                     // (batch, heads, m_blocks * kBlockM): rowsum(dO * O), 0 past seqlen_q
     float* dq_acc;                          // (batch, heads, m_blocks, DqFragments) fp32, zero at launch
-    int* dq_turns;                          // deterministic mode: (batch, heads, m_blocks, 8 warps) int32, zero
-                                            //   at launch (DqTurns); null otherwise
+    int* dq_turns;                          // deterministic mode: (batch, heads, m_blocks) int32, zero at launch
+                                            //   (keep_dq_turns); null otherwise
     void* dk;                               // bf16/fp16 (batch, seqlen_k, kv heads, head_dim) by its strides, or
     void* dv;                               //   with GQA fp32 (batch, seqlen_k, heads, head_dim) contiguous
     i64 dk_batch_stride, dk_row_stride, dk_head_stride;
     i64 dv_batch_stride, dv_row_stride, dv_head_stride;
     int seqlen_q, seqlen_k, nheads, kv_group, m_blocks;
+    int dq_turn_cyclic;                     // deterministic non-causal mode: the cyclic walk (see above)
     float scale_log2;                       // softmax_scale * log2(e)
     float softmax_scale;
 };
-static_assert(sizeof(BwdParams) == 640, "BwdParams: host layout (4 maps, 6 pointers, 6 i64, 5 int, 2 float)");
+static_assert(sizeof(BwdParams) == 640, "BwdParams: host layout (4 maps, 6 pointers, 6 i64, 6 int, 2 float)");
 
 namespace bwd {
 
@@ -90,6 +99,9 @@ struct Barriers {
     CF_DEVICE u32 kv_full() const { return base; }
     CF_DEVICE u32 qdo_full(int stage) const { return base + 8 + 8 * stage; }
     CF_DEVICE u32 qdo_empty(int stage) const { return base + 8 + 8 * (kStages + stage); }
+    // Deterministic mode: the consumer warps' dQ staged, and the staging buffers free again.
+    CF_DEVICE u32 dq_staged() const { return base + 8 + 16 * kStages; }
+    CF_DEVICE u32 dq_free() const { return base + 16 + 16 * kStages; }
 };
 
 // Query blocks that see some key of key block n_block: [first, m_blocks).
@@ -100,11 +112,35 @@ CF_DEVICE int first_query_block(int n_block, const BwdParams& p) {
     return first_row <= 0 ? 0 : first_row / T::kBlockM;
 }
 
-// Step `it` of a CTA whose query blocks are [first, m_blocks): ascending, or last to first in
-// deterministic mode (see the top of the file).
-template <bool kDeterministic>
-CF_DEVICE int query_block(int it, int first, const BwdParams& p) {
-    return kDeterministic ? p.m_blocks - 1 - it : first + it;
+// The query block of step `it` of key block n_block's CTA, whose blocks are [first, m_blocks):
+// ascending, or cyclic from n_block in deterministic non-causal mode (see the top of the file).
+template <bool kCausal, bool kDeterministic>
+CF_DEVICE int query_block(int it, int first, int n_block, const BwdParams& p) {
+    if (kDeterministic && !kCausal && p.dq_turn_cyclic) return (it + n_block) % p.m_blocks;
+    return first + it;
+}
+
+// Cyclic interval [lo, hi) of residues: how many are below `bound`.
+CF_DEVICE int count_below(int lo, int hi, int bound) { return max(0, min(hi, bound) - lo); }
+
+// Deterministic mode: the turn of key block n on query block m (its rank among the CTAs that add to
+// m, in the order of the top of the file).
+template <class T, bool kCausal>
+CF_DEVICE int dq_turn(int m, int n, const BwdParams& p) {
+    const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    if (kCausal) {
+        // Key block j visits m iff its first query row j * kBlockN + seqlen_q - seqlen_k < (m + 1) kBlockM.
+        const int bound = (m + 1) * T::kBlockM + p.seqlen_k - p.seqlen_q;  // > n * kBlockN: n visits m
+        return min(n_blocks - 1, (bound - 1) / kBlockN) - n;
+    }
+    if (!p.dq_turn_cyclic) return n_blocks - 1 - n;
+    // Key block j reaches m at step (m - j) mod M. Count the CTAs that reach m at an earlier step
+    // (the steps s' < s are residues m - s' of key blocks j mod M; residue c has Q + (c < R) key
+    // blocks, n_blocks = Q M + R), then those that reach it at the same step with a lower index.
+    const int M = p.m_blocks, Q = n_blocks / M, R = n_blocks % M;
+    const int step = ((m - n) % M + M) % M, lo = m - step + 1;
+    const int fuller = lo >= 0 ? count_below(lo, m + 1, R) : count_below(0, m + 1, R) + count_below(lo + M, M, R);
+    return step * Q + fuller + n / M;
 }
 
 // dQ accumulator layout: per (batch, head, query block) the 8 consumer warps' parts, 1024 floats each
@@ -140,7 +176,7 @@ CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n
     }
     const int first = first_query_block<T, kCausal>(n_block, p);
     for (int it = 0; it < p.m_blocks - first; ++it) {
-        const int m = query_block<kDeterministic>(it, first, p), stage = it % kStages;
+        const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p), stage = it % kStages;
         mbarrier_wait(bars.qdo_empty(stage), ((it / kStages) & 1) ^ 1);
         mbarrier_arrive_expect_bytes(bars.qdo_full(stage), 2 * T::kQBytes + 2 * T::kRowBytes);
         const i64 rows = ((i64)batch * p.nheads + head) * p.m_blocks * T::kBlockM + m * T::kBlockM;
@@ -262,58 +298,31 @@ CF_DEVICE void store_score_gradients(u32 ds_tile, const u32 (&dsa)[T::kBlockM / 
     }
 }
 
-// Deterministic mode's turns: one counter per query block and warp part (dq_turns, zero at launch).
-// The warp of key block n waits until its counter reads n, adds its part, and sets the counter to
-// n + 1 once that reduction has completed. Waiting for the completion takes a round trip to L2
-// (longer than half a step under load: releasing mid next step cost 30-37%), so the release waits
-// for the warp's next reduction (take()), a whole step later, or the end (release()). In the default
-// mode every call is a no-op. Lane 0 acts for the warp.
+// The warp's dQ part into its staging buffer (DqFragments order: the 8 warps' buffers hold the query
+// block's accumulator as laid out in global memory). By default lane 0 then adds the part with one
+// bulk reduction; the buffer is free once the previous one has read it. In deterministic mode the
+// turn keeper adds the whole block at the CTA's turn (keep_dq_turns) and frees the buffers.
 template <bool kDeterministic>
-struct DqTurns {
-    int* counters;           // this warp's counter of query block 0 (8 per query block)
-    int* pending = nullptr;  // the counter to release
-
-    CF_DEVICE void take(int m, int n_block, int lane) {
-        if constexpr (kDeterministic) {
-            release(n_block, lane);
-            if (lane == 0) {
-                pending = counters + 8 * m;
-                wait_for_turn(pending, n_block);
-                fence_proxy_async_global();  // the reduction (async proxy) after the acquire
-            }
-        }
-    }
-    CF_DEVICE void release(int n_block, int lane) {
-        if constexpr (kDeterministic) {
-            if (lane == 0 && pending != nullptr) {
-                bulk_wait_all();
-                fence_proxy_async_global();  // the completed reduction before the release
-                st_release_gpu(pending, n_block + 1);
-                pending = nullptr;
-            }
-        }
-    }
-};
-
-// The warp's dQ part into its staging buffer (DqFragments order), then (lane 0) one bulk reduction
-// into the accumulator `part`, in deterministic mode at the warp's turn. The buffer is free once the
-// previous reduction has read it.
-template <bool kDeterministic>
-CF_DEVICE void add_query_gradient(const float (&dq)[32], u32 staging, float* part, int lane,
-                                  DqTurns<kDeterministic>& turns, int m, int n_block) {
-    if (lane == 0) bulk_wait_read<0>();
+CF_DEVICE void add_query_gradient(const float (&dq)[32], u32 staging, float* part, int lane, const Barriers& bars,
+                                  int it) {
+    if (kDeterministic)
+        mbarrier_wait(bars.dq_free(), (it & 1) ^ 1);
+    else if (lane == 0)
+        bulk_wait_read<0>();
     __syncwarp();
 #pragma unroll
     for (int c = 0; c < 8; ++c)
         st_shared_f32x4(staging + (c * 32 + lane) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
     fence_proxy_async_smem();  // the stores, before the copy engine reads them
     __syncwarp();
-    turns.take(m, n_block, lane);
     if (lane == 0) {
-        bulk_reduce_add_f32(part, staging, kDqWarpBytes);
-        bulk_commit();
+        if (kDeterministic) {
+            mbarrier_arrive(bars.dq_staged());
+        } else {
+            bulk_reduce_add_f32(part, staging, kDqWarpBytes);
+            bulk_commit();
+        }
     }
-    __syncwarp();
 }
 
 // This thread's two rows of dK or dV: 16-bit pairs into the gradient, or fp32 pairs into the
@@ -342,6 +351,30 @@ CF_DEVICE void store_key_gradient(const float (&acc)[T::kHeadDim / 2], float sca
     }
 }
 
+// Deterministic mode's turn keeper (one thread of the producer warpgroup): per step, waits for the
+// CTA's turn on the query block (its counter, zero at launch, reads dq_turn), then for the consumer
+// warps' staged dQ, adds the whole block with one bulk reduction, frees the staging buffers once it
+// has been read, and increments the counter once it has completed.
+template <class T, bool kCausal>
+CF_DEVICE void keep_dq_turns(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch) {
+    const i64 blocks = ((i64)batch * p.nheads + head) * p.m_blocks;
+    const int first = first_query_block<T, kCausal>(n_block, p);
+    for (int it = 0; it < p.m_blocks - first; ++it) {
+        const int m = query_block<kCausal, true>(it, first, n_block, p);
+        int* counter = p.dq_turns + blocks + m;
+        wait_for_turn(counter, dq_turn<T, kCausal>(m, n_block, p));
+        fence_proxy_async_global();  // the reduction (async proxy) after the acquire
+        mbarrier_wait(bars.dq_staged(), it & 1);
+        bulk_reduce_add_f32(p.dq_acc + (blocks + m) * DqFragments<T>::kFloats, smem + T::kDq, T::kDqBytes);
+        bulk_commit();
+        bulk_wait_read<0>();
+        mbarrier_arrive(bars.dq_free());
+        bulk_wait_all();
+        fence_proxy_async_global();  // the completed reduction before the release
+        add_release_gpu(counter, 1);
+    }
+}
+
 template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic>
 CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, int n_block, int head,
                        int batch) {
@@ -353,16 +386,13 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
     float* dq_blocks = p.dq_acc + ((i64)batch * p.nheads + head) * p.m_blocks * DqFragments<T>::kFloats +
                        DqFragments<T>::part(group, warp);
     const u32 dq_staging = smem + T::kDq + (group * 4 + warp) * kDqWarpBytes;
-    DqTurns<kDeterministic> turns{kDeterministic ? p.dq_turns + ((i64)batch * p.nheads + head) * p.m_blocks * 8 +
-                                                       group * 4 + warp
-                                                 : nullptr};
     float dv[kD / 2], dk[kD / 2];
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) dv[i] = dk[i] = 0.f;
     mbarrier_wait(bars.kv_full(), 0);
     const int first = first_query_block<T, kCausal>(n_block, p);
     for (int it = 0; it < p.m_blocks - first; ++it) {
-        const int m = query_block<kDeterministic>(it, first, p), stage = it % kStages;
+        const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p), stage = it % kStages;
         const u32 q_tile = smem + T::kQ + stage * T::kQBytes, do_tile = smem + T::kDO + stage * T::kQBytes;
         const u32 ds_tile = smem + T::kDs + (it % 2) * T::kDsBytes;
         const u32 lse_rows = smem + T::kLse + stage * T::kRowBytes;
@@ -412,9 +442,8 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         wgmma_commit();
         wgmma_wait<0>();
         register_fence(dq);
-        add_query_gradient(dq, dq_staging, dq_blocks + (i64)m * DqFragments<T>::kFloats, lane, turns, m, n_block);
+        add_query_gradient<kDeterministic>(dq, dq_staging, dq_blocks + (i64)m * DqFragments<T>::kFloats, lane, bars, it);
     }
-    turns.release(n_block, lane);  // the last one
     if (lane == 0) bulk_wait_all();  // the last reductions complete before the CTA's shared memory goes
     store_key_gradient<T, kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride,
                                        p.dk_head_stride, key, head, batch, lane, p);
@@ -431,12 +460,18 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_addr(smem_raw) + 1023) & ~1023u;
     const Barriers bars{smem + T::kBarriers};
-    const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    // Deterministic mode: from the highest key block down (the top of the file).
+    const int n_block = kDeterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x, head = blockIdx.y,
+              batch = blockIdx.z;
     if (threadIdx.x == 0) {
         mbarrier_init(bars.kv_full(), 1);
         for (int s = 0; s < kStages; ++s) {
             mbarrier_init(bars.qdo_full(s), 1);
             mbarrier_init(bars.qdo_empty(s), 8);  // one arrival per consumer warp
+        }
+        if (kDeterministic) {
+            mbarrier_init(bars.dq_staged(), 8);
+            mbarrier_init(bars.dq_free(), 1);
         }
         fence_barrier_init();
     }
@@ -445,6 +480,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
     if (group == 0) {
         registers_release<kProducerRegs>();
         if (threadIdx.x == 0) produce<T, kCausal, kDeterministic>(p, smem, bars, n_block, head, batch);
+        if (kDeterministic && threadIdx.x == 32) keep_dq_turns<T, kCausal>(p, smem, bars, n_block, head, batch);
     } else {
         registers_claim<kConsumerRegs>();
         consume<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group - 1, n_block, head, batch);

@@ -73,7 +73,7 @@ CF_DEVICE int ld_acquire_gpu(const int* p) {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-CF_DEVICE void st_release_gpu(int* p, int v) { asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory"); }
+CF_DEVICE void add_release_gpu(int* p, int v) { asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory"); }
 // Orders global accesses between the generic proxy (the counters) and the async proxy (bulk copies).
 CF_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 // Spins until *counter == turn (then acquires what the previous holder released). CF_HANG_CHECK

@@ -19,6 +19,7 @@ import numpy as np
 from ...problem.features import AttentionProblem
 from ...problem.tensors import SHORT_DTYPE, SUPPORTED_DTYPES
 from ...runtime import launcher, tensor_maps
+from ...runtime.device import sm_count
 from ..mma_sync import convert_accumulator
 from .forward import ARCH, HANG_CHECK_VARIABLE, cpp_bool, hang_check, sm90a_options
 
@@ -29,8 +30,8 @@ BLOCK_M = {64: 128, 128: 64}
 HEAD_DIMS = tuple(BLOCK_M)
 BLOCK_N = 128  # keys per CTA
 THREADS = 384
-# BwdParams (flash_bwd_sm90.cu): 4 maps, 6 pointers, 6 i64 strides, 5 ints, 2 floats, padding to 640.
-PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiff4x")
+# BwdParams (flash_bwd_sm90.cu): 4 maps, 6 pointers, 6 i64 strides, 6 ints, 2 floats.
+PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiiff")
 
 
 def smem_bytes(head_dim: int) -> int:
@@ -165,8 +166,8 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
                             _ptr(delta_i.data_ptr), *map(_i64, dout.strides[:3]), *map(_i64, out.strides[:3]),
                             _i32(sq), _i32(h), _i32(m_blocks)))
     dq_acc, dq_acc_i = launcher.scratch((b, h, m_blocks, block_m * d), zero=True)  # DqFragments order
-    if config.deterministic:  # DqTurns: a counter per query block and consumer warp
-        turns, turns_i = launcher.scratch((b, h, m_blocks, 8), np.int32, zero=True)
+    if config.deterministic:  # a turn counter per query block (keep_dq_turns)
+        turns, turns_i = launcher.scratch((b, h, m_blocks), np.int32, zero=True)
     else:
         turns, turns_i = None, None
     if gqa:  # per query head, summed over each group by the conversion
@@ -175,16 +176,19 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
         dk_acc = dv_acc = None
         dk_t, dv_t = dk, dv
     scale = shape.softmax_scale
+    n_blocks = math.ceil(sk / BLOCK_N)
+    # Deterministic non-causal calls walk cyclically when a head's CTAs (one per SM) all fit at once.
+    cyclic = config.deterministic and not config.causal and n_blocks <= sm_count(device_id)
 
     def build(addresses) -> tuple:
         q_at, k_at, v_at, do_at, lse_at, delta_at, dq_at, turns_at, dk_at, dv_at = addresses
         return (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, BLOCK_N, b, sk, hk), _map(v, v_at, BLOCK_N, b, sk, hk),
                 _map(dout, do_at, block_m, b, sq, h), lse_at, delta_at, dq_at, turns_at or 0, dk_at, dv_at,
                 dk_t.strides[0], dk_t.strides[1], dk_t.strides[2], dv_t.strides[0], dv_t.strides[1], dv_t.strides[2],
-                sq, sk, h, shape.kv_group, m_blocks, scale * math.log2(math.e), scale)
+                sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale)
 
     arguments = launcher.StructArguments(PARAMS, (q, k, v, dout, lse_log2_i, delta_i, dq_acc_i, turns_i, dk_t, dv_t), build)
-    launcher.launch_struct_kernel(config, device_id, stream, (math.ceil(sk / BLOCK_N), h, b), arguments)
+    launcher.launch_struct_kernel(config, device_id, stream, (n_blocks, h, b), arguments)
     launcher.launch_kernel(WgmmaBwdPassConfig("dq", d, shape.dtype), device_id, stream, (m_blocks, h, b),
                            (_ptr(dq_acc_i.data_ptr), _ptr(dq.data_ptr), *map(_i64, dq.strides[:3]), _i32(sq), _i32(h),
                             _i32(m_blocks), np.float32(scale)))
