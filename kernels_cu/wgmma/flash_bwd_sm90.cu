@@ -11,16 +11,17 @@
 //   dV += P^T dO,  dK += dS^T Q                    (P^T, dS^T straight from registers: the
 //                                                   accumulator layout is the A-operand layout)
 //   its 64 x 64 part of dQ = dS K                  (dS of both groups through shared memory)
-// and adds its dQ part to an fp32 accumulator in global memory: each warp stages its 16 x 64 part in
-// shared memory and one bulk reduction adds those 4 KB in L2 (per-element red.global adds cost 30%
-// of the kernel's time). The accumulator keeps the warps' fragment order (DqFragments);
-// flash_bwd_dq_sm90 scales and converts it afterwards, and for GQA flash_bwd_convert_kernel sums the
-// per-query-head dK and dV written here in fp32.
+// Its dQ part goes to an fp32 accumulator in global memory: each warp stages its 16 x 64 part in
+// shared memory (the 8 parts in the accumulator's own order, DqFragments), and the dQ keeper, one
+// thread of the producer warpgroup, adds the block's 32 KB in L2 with one bulk reduction (keep_dq;
+// per-element red.global adds cost 30% of the kernel's time, one bulk reduction per warp 2-7% more
+// than one per block at head dim 64). flash_bwd_dq_sm90 scales and converts the accumulator
+// afterwards, and for GQA flash_bwd_convert_kernel sums the per-query-head dK and dV written here
+// in fp32.
 //
-// Deterministic mode (kDeterministic) fixes the order of those reductions: a turn keeper thread in
-// the producer warpgroup adds the CTA's whole dQ block with one bulk reduction at the CTA's turn on
-// that query block (keep_dq_turns, dq_turn). The order of turns is chosen so that each CTA's
-// predecessor on a block got there a step or more earlier, and the turns rarely wait:
+// Deterministic mode (kDeterministic) fixes the order of those reductions: the keeper adds the
+// CTA's block at the CTA's turn on that query block (dq_turn). The order of turns is chosen so that
+// each CTA's predecessor on a block got there a step or more earlier, and the turns rarely wait:
 //  - causal: ascending walks, turns by descending key block (key block n + 1 starts one or two query
 //    blocks further down, so it reaches every block first);
 //  - non-causal, when all CTAs of a head fit on the device at once (dq_turn_cyclic): CTA n starts
@@ -44,7 +45,7 @@ struct BwdParams {
     const float* delta;                     // (batch, heads, m_blocks * kBlockM): rowsum(dO * O), 0 past seqlen_q
     float* dq_acc;                          // (batch, heads, m_blocks, DqFragments) fp32, zero at launch
     int* dq_turns;                          // deterministic mode: (batch, heads, m_blocks) int32, zero at launch
-                                            //   (keep_dq_turns); null otherwise
+                                            //   (keep_dq); null otherwise
     void* dk;                               // bf16/fp16 (batch, seqlen_k, kv heads, head_dim) by its strides, or
     void* dv;                               //   with GQA fp32 (batch, seqlen_k, heads, head_dim) contiguous
     i64 dk_batch_stride, dk_row_stride, dk_head_stride;
@@ -99,7 +100,7 @@ struct Barriers {
     CF_DEVICE u32 kv_full() const { return base; }
     CF_DEVICE u32 qdo_full(int stage) const { return base + 8 + 8 * stage; }
     CF_DEVICE u32 qdo_empty(int stage) const { return base + 8 + 8 * (kStages + stage); }
-    // Deterministic mode: the consumer warps' dQ staged, and the staging buffers free again.
+    // The consumer warps' dQ staged, and the staging buffers free again (keep_dq).
     CF_DEVICE u32 dq_staged() const { return base + 8 + 16 * kStages; }
     CF_DEVICE u32 dq_free() const { return base + 16 + 16 * kStages; }
 };
@@ -299,30 +300,16 @@ CF_DEVICE void store_score_gradients(u32 ds_tile, const u32 (&dsa)[T::kBlockM / 
 }
 
 // The warp's dQ part into its staging buffer (DqFragments order: the 8 warps' buffers hold the query
-// block's accumulator as laid out in global memory). By default lane 0 then adds the part with one
-// bulk reduction; the buffer is free once the previous one has read it. In deterministic mode the
-// turn keeper adds the whole block at the CTA's turn (keep_dq_turns) and frees the buffers.
-template <bool kDeterministic>
-CF_DEVICE void add_query_gradient(const float (&dq)[32], u32 staging, float* part, int lane, const Barriers& bars,
-                                  int it) {
-    if (kDeterministic)
-        mbarrier_wait(bars.dq_free(), (it & 1) ^ 1);
-    else if (lane == 0)
-        bulk_wait_read<0>();
-    __syncwarp();
+// block's accumulator as laid out in global memory), once the dQ keeper has freed it; the keeper
+// adds the whole block (keep_dq).
+CF_DEVICE void stage_query_gradient(const float (&dq)[32], u32 staging, int lane, const Barriers& bars, int it) {
+    mbarrier_wait(bars.dq_free(), (it & 1) ^ 1);
 #pragma unroll
     for (int c = 0; c < 8; ++c)
         st_shared_f32x4(staging + (c * 32 + lane) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
     fence_proxy_async_smem();  // the stores, before the copy engine reads them
     __syncwarp();
-    if (lane == 0) {
-        if (kDeterministic) {
-            mbarrier_arrive(bars.dq_staged());
-        } else {
-            bulk_reduce_add_f32(part, staging, kDqWarpBytes);
-            bulk_commit();
-        }
-    }
+    if (lane == 0) mbarrier_arrive(bars.dq_staged());
 }
 
 // This thread's two rows of dK or dV: 16-bit pairs into the gradient, or fp32 pairs into the
@@ -351,28 +338,34 @@ CF_DEVICE void store_key_gradient(const float (&acc)[T::kHeadDim / 2], float sca
     }
 }
 
-// Deterministic mode's turn keeper (one thread of the producer warpgroup): per step, waits for the
-// CTA's turn on the query block (its counter, zero at launch, reads dq_turn), then for the consumer
-// warps' staged dQ, adds the whole block with one bulk reduction, frees the staging buffers once it
-// has been read, and increments the counter once it has completed.
-template <class T, bool kCausal>
-CF_DEVICE void keep_dq_turns(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch) {
+// The dQ keeper (one thread of the producer warpgroup): per step, waits for the consumer warps'
+// staged dQ, adds the whole block to the accumulator with one bulk reduction and frees the staging
+// buffers once the copy engine has read them. In deterministic mode it first waits for the CTA's turn
+// on the query block (its counter, zero at launch, reads dq_turn) and increments the counter once
+// the reduction has completed.
+template <class T, bool kCausal, bool kDeterministic>
+CF_DEVICE void keep_dq(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch) {
     const i64 blocks = ((i64)batch * p.nheads + head) * p.m_blocks;
     const int first = first_query_block<T, kCausal>(n_block, p);
     for (int it = 0; it < p.m_blocks - first; ++it) {
-        const int m = query_block<kCausal, true>(it, first, n_block, p);
-        int* counter = p.dq_turns + blocks + m;
-        wait_for_turn(counter, dq_turn<T, kCausal>(m, n_block, p));
-        fence_proxy_async_global();  // the reduction (async proxy) after the acquire
+        const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p);
+        int* counter = kDeterministic ? p.dq_turns + blocks + m : nullptr;
+        if (kDeterministic) {
+            wait_for_turn(counter, dq_turn<T, kCausal>(m, n_block, p));
+            fence_proxy_async_global();  // the reduction (async proxy) after the acquire
+        }
         mbarrier_wait(bars.dq_staged(), it & 1);
         bulk_reduce_add_f32(p.dq_acc + (blocks + m) * DqFragments<T>::kFloats, smem + T::kDq, T::kDqBytes);
         bulk_commit();
         bulk_wait_read<0>();
         mbarrier_arrive(bars.dq_free());
-        bulk_wait_all();
-        fence_proxy_async_global();  // the completed reduction before the release
-        add_release_gpu(counter, 1);
+        if (kDeterministic) {
+            bulk_wait_all();
+            fence_proxy_async_global();  // the completed reduction before the release
+            add_release_gpu(counter, 1);
+        }
     }
+    bulk_wait_all();
 }
 
 template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic>
@@ -383,9 +376,7 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
     const int key_row0 = group * 64 + 16 * warp + lane / 4;  // within the CTA's keys
     const int key[2] = {n_block * kBlockN + key_row0, n_block * kBlockN + key_row0 + 8};
     const u32 k_rows = smem + T::kK + group * 64 * 128, v_rows = smem + T::kV + group * 64 * 128;
-    float* dq_blocks = p.dq_acc + ((i64)batch * p.nheads + head) * p.m_blocks * DqFragments<T>::kFloats +
-                       DqFragments<T>::part(group, warp);
-    const u32 dq_staging = smem + T::kDq + (group * 4 + warp) * kDqWarpBytes;
+    const u32 dq_staging = smem + T::kDq + DqFragments<T>::part(group, warp) * 4;
     float dv[kD / 2], dk[kD / 2];
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) dv[i] = dk[i] = 0.f;
@@ -442,9 +433,8 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         wgmma_commit();
         wgmma_wait<0>();
         register_fence(dq);
-        add_query_gradient<kDeterministic>(dq, dq_staging, dq_blocks + (i64)m * DqFragments<T>::kFloats, lane, bars, it);
+        stage_query_gradient(dq, dq_staging, lane, bars, it);
     }
-    if (lane == 0) bulk_wait_all();  // the last reductions complete before the CTA's shared memory goes
     store_key_gradient<T, kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride,
                                        p.dk_head_stride, key, head, batch, lane, p);
     store_key_gradient<T, kBf16, kGqa>(dv, 1.f, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, key,
@@ -469,10 +459,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
             mbarrier_init(bars.qdo_full(s), 1);
             mbarrier_init(bars.qdo_empty(s), 8);  // one arrival per consumer warp
         }
-        if (kDeterministic) {
-            mbarrier_init(bars.dq_staged(), 8);
-            mbarrier_init(bars.dq_free(), 1);
-        }
+        mbarrier_init(bars.dq_staged(), 8);  // one arrival per consumer warp
+        mbarrier_init(bars.dq_free(), 1);
         fence_barrier_init();
     }
     __syncthreads();
@@ -480,7 +468,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
     if (group == 0) {
         registers_release<kProducerRegs>();
         if (threadIdx.x == 0) produce<T, kCausal, kDeterministic>(p, smem, bars, n_block, head, batch);
-        if (kDeterministic && threadIdx.x == 32) keep_dq_turns<T, kCausal>(p, smem, bars, n_block, head, batch);
+        if (threadIdx.x == 32) keep_dq<T, kCausal, kDeterministic>(p, smem, bars, n_block, head, batch);
     } else {
         registers_claim<kConsumerRegs>();
         consume<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group - 1, n_block, head, batch);

@@ -3,7 +3,8 @@ the launches.
 
 Three launches: flash_bwd_rows_sm90 (LSE in log2 units and D = rowsum(dO * O), padded to whole
 query blocks), flash_bwd_sm90 (one CTA per 128 keys: dK, dV, and dQ added to a zeroed fp32
-accumulator by bulk reductions), and flash_bwd_dq_sm90 (dQ scaled and converted out of the
+accumulator by bulk reductions; with deterministic=True in a fixed order of turns, counted in a
+zeroed int32 counter per query block), and flash_bwd_dq_sm90 (dQ scaled and converted out of the
 accumulator's fragment order); with GQA, the mma.sync family's conversion sums dK and dV over each
 group of query heads.
 """
@@ -50,7 +51,7 @@ class WgmmaBwdConfig:
     causal: bool
     dtype: str
     gqa: bool  # dK, dV per query head in fp32 (summed over each group afterwards)
-    deterministic: bool = False  # dQ reductions in key-block order (DqTurns)
+    deterministic: bool = False  # dQ reductions in a fixed order of turns (dq_turn)
     hang_check: bool = False
 
     source_file = SOURCE
@@ -166,7 +167,7 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
                             _ptr(delta_i.data_ptr), *map(_i64, dout.strides[:3]), *map(_i64, out.strides[:3]),
                             _i32(sq), _i32(h), _i32(m_blocks)))
     dq_acc, dq_acc_i = launcher.scratch((b, h, m_blocks, block_m * d), zero=True)  # DqFragments order
-    if config.deterministic:  # a turn counter per query block (keep_dq_turns)
+    if config.deterministic:  # a turn counter per query block (keep_dq)
         turns, turns_i = launcher.scratch((b, h, m_blocks), np.int32, zero=True)
     else:
         turns, turns_i = None, None
