@@ -314,3 +314,27 @@ def test_the_deterministic_hopper_backward_gives_the_same_bits_every_run(monkeyp
     for name, g, e, l in zip(("dq", "dk", "dv"), first, exact, low):
         error, allowed = (g - e).abs().max().item(), 3 * (l - e).abs().max().item() + 1e-4
         assert error <= allowed, f"{name}: error {error:.3g} > {allowed:.3g}"
+
+
+@hopper_only
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_hopper_backward_writes_dq_into_rows_that_are_not_16_byte_aligned(monkeypatch, d):
+    """dq= views whose rows are only 4-byte aligned take the conversion's narrow stores: the same
+    bits as a contiguous dq (deterministic=True: the accumulation is the same on both calls)."""
+    import torch
+
+    import cuflash2
+
+    monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
+    torch.manual_seed(stable_seed("hopper-dq-narrow", d))
+    b, sq, sk, h = 2, 300, 260, 3
+    q, dout = (torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, sk, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = cuflash2.flash_attn_forward(q, k, v, causal=True)
+    expected = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    padded = torch.full((b, sq, h, d + 4), 7.0, device="cuda", dtype=torch.bfloat16)
+    dq = padded[..., 2:d + 2]  # rows 4-byte aligned (row stride 3 (d + 4) elements), not 16
+    got = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, dq=dq)
+    assert got[0].data_ptr() == dq.data_ptr()
+    assert torch.equal(dq, expected[0]) and all(torch.equal(g, e) for g, e in zip(got[1:], expected[1:]))
+    assert bool((padded[..., :2] == 7).all()) and bool((padded[..., d + 2:] == 7).all())  # nothing written outside

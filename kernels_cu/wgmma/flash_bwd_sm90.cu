@@ -501,29 +501,49 @@ __global__ void __launch_bounds__(256)
 }
 
 // dq = softmax_scale * the dQ accumulator of flash_bwd_sm90 (DqFragments order), bf16/fp16 by dq's
-// strides. Grid (query blocks, heads, batch); 256 threads, 8 float4 each, read in order.
+// strides. In a warp's part (16 rows x 64 columns), float4 32c + 4r + q holds rows r and r + 8,
+// columns 8c + 2q and + 1 (r < 8, q < 4): a thread reads the 4 float4s of one (r, c), 64 contiguous
+// bytes, and writes rows r and r + 8 of 8 columns with one 16-byte store each; 8 threads in a row
+// write its 64 columns (4-byte stores where dq's rows are not 16-byte aligned).
+// Grid (query blocks, heads, batch); 256 threads, 2 (r, c) cells of 2 parts each.
 template <int kHeadDim, bool kBf16>
 __global__ void __launch_bounds__(256)
     flash_bwd_dq_sm90(const float* __restrict__ acc, u16* __restrict__ dq, i64 batch_stride, i64 row_stride,
                       i64 head_stride, int seqlen_q, int nheads, int m_blocks, float scale) {
     using namespace bwd;
     using T = BwdTile<kHeadDim>;
-    constexpr int kFloats = DqFragments<T>::kFloats;
-    static_assert(kFloats % (4 * 256) == 0, "256 threads convert whole float4s of a query block");
+    using E = Element16<kBf16>;
+    constexpr int kFloats = DqFragments<T>::kFloats, kCells = kFloats / 16;  // 16 floats per (part, r, c)
+    static_assert(kCells % 256 == 0, "256 threads convert whole cells of a query block");
     const int m = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const float4* block = reinterpret_cast<const float4*>(acc + (((i64)batch * nheads + head) * m_blocks + m) * kFloats);
     u16* out = dq + batch * batch_stride + head * head_stride;
+    const bool wide = ((reinterpret_cast<u64>(out) | (u64)row_stride * 2) & 15) == 0;
 #pragma unroll
-    for (int i = 0; i < kFloats / 4 / 256; ++i) {
-        const int at = i * 256 + threadIdx.x;  // float4 index: part (group, warp), chunk c, lane
-        const int part = at / 256, group = part / 4, c = at / 32 % 8, lane = at % 32;
-        const int row = m * T::kBlockM + 64 * T::query_panel(group) + 16 * (part % 4) + lane / 4;
-        const int col = 64 * T::column_panel(group) + 8 * c + 2 * (lane % 4);
-        const float4 v = block[at];
-        if (row < seqlen_q)
-            *reinterpret_cast<u32*>(out + row * row_stride + col) = Element16<kBf16>::pack(v.x * scale, v.y * scale);
-        if (row + 8 < seqlen_q)
-            *reinterpret_cast<u32*>(out + (row + 8) * row_stride + col) =
-                Element16<kBf16>::pack(v.z * scale, v.w * scale);
+    for (int i = 0; i < kCells / 256; ++i) {
+        const int cell = i * 256 + threadIdx.x, part = cell / 64, r = cell / 8 % 8, c = cell % 8, group = part / 4;
+        float4 v[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] = block[part * 256 + c * 32 + 4 * r + q];
+        u32 upper[4], lower[4];  // rows r and r + 8, column pairs q
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            upper[q] = E::pack(v[q].x * scale, v[q].y * scale);
+            lower[q] = E::pack(v[q].z * scale, v[q].w * scale);
+        }
+        const int row = m * T::kBlockM + 64 * T::query_panel(group) + 16 * (part % 4) + r;
+        const int col = 64 * T::column_panel(group) + 8 * c;
+        const u32* rows[2] = {upper, lower};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            if (row + 8 * half >= seqlen_q) continue;
+            u16* to = out + (row + 8 * half) * row_stride + col;
+            if (wide) {
+                *reinterpret_cast<uint4*>(to) = make_uint4(rows[half][0], rows[half][1], rows[half][2], rows[half][3]);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) reinterpret_cast<u32*>(to)[q] = rows[half][q];
+            }
+        }
     }
 }
