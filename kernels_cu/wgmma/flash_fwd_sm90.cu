@@ -33,9 +33,11 @@ constexpr int kStages = 2;
 
 enum : int { kTurnBarrier0 = 1 };  // named barrier ids kTurnBarrier0 + group: the MMA turns (0 is __syncthreads)
 
-// The tile shape of one instantiation and the shared-memory layout it implies: the Q tile, kStages
-// K blocks, kStages V blocks (each as 128-byte panels of 64 columns, see smem_descriptor), then
-// the mbarriers.
+// The tile shape of one instantiation and the shared-memory layout it implies: kQStages Q tiles,
+// kStages K blocks, kStages V blocks (each as 128-byte panels of 64 columns, see smem_descriptor),
+// then the mbarriers. Two Q tiles at head dims up to 64 let the next tile's first Q K^T run with
+// the current tile's last P V (see consume): +1-7% there on an H200, -3..+3% at head dim 128, so
+// head dims above 64 keep one.
 template <int kHeadDim_, int kBlockN_, int kGroups_>
 struct FwdTile {
     static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kGroups = kGroups_;
@@ -51,9 +53,10 @@ struct FwdTile {
                   "register reallocation exceeds the block's registers: setmaxnreg.inc would never return");
     static constexpr int kPanels = (kHeadDim + 63) / 64;
     static constexpr int kORegs = kPanels * 32;  // O accumulators per thread (64 x kPanels*64 per group)
+    static constexpr int kQStages = kPanels == 1 ? 2 : 1;
     static constexpr int kQBytes = kBlockM * 128 * kPanels;
     static constexpr int kKVBytes = kBlockN * 128 * kPanels;
-    static constexpr int kK = kQBytes;
+    static constexpr int kK = kQStages * kQBytes;
     static constexpr int kV = kK + kStages * kKVBytes;
     static constexpr int kBarriers = kV + kStages * kKVBytes;
     static constexpr int kBytes = kBarriers + 128 + 1024;  // + the alignment slack of the base
@@ -68,13 +71,13 @@ struct FwdBarriers {
     u32 base;
     CF_DEVICE u32 tile_full() const { return base; }  // causal: the producer hands over a tile index
     CF_DEVICE u32 tile_empty() const { return base + 8; }
-    CF_DEVICE u32 q_full() const { return base + 16; }
-    CF_DEVICE u32 q_empty() const { return base + 24; }
-    CF_DEVICE u32 k_full(int stage) const { return base + 32 + 8 * stage; }
-    CF_DEVICE u32 k_empty(int stage) const { return base + 32 + 8 * (kStages + stage); }
-    CF_DEVICE u32 v_full(int stage) const { return base + 32 + 8 * (2 * kStages + stage); }
-    CF_DEVICE u32 v_empty(int stage) const { return base + 32 + 8 * (3 * kStages + stage); }
-    CF_DEVICE u32 tile_slot() const { return base + 32 + 8 * 4 * kStages; }
+    CF_DEVICE u32 q_full(int stage) const { return base + 16 + 8 * stage; }  // up to 2 Q stages
+    CF_DEVICE u32 q_empty(int stage) const { return base + 32 + 8 * stage; }
+    CF_DEVICE u32 k_full(int stage) const { return base + 48 + 8 * stage; }
+    CF_DEVICE u32 k_empty(int stage) const { return base + 48 + 8 * (kStages + stage); }
+    CF_DEVICE u32 v_full(int stage) const { return base + 48 + 8 * (2 * kStages + stage); }
+    CF_DEVICE u32 v_empty(int stage) const { return base + 48 + 8 * (3 * kStages + stage); }
+    CF_DEVICE u32 tile_slot() const { return base + 48 + 8 * 4 * kStages; }
 };
 
 CF_DEVICE void st_shared_volatile(u32 addr, int value) {
@@ -86,12 +89,13 @@ CF_DEVICE int ld_shared_volatile(u32 addr) {
     return value;
 }
 
-// Position in a ring of kStages buffers: one counter of the buffers used so far (a register saved
+// Position in a ring of kRing buffers: one counter of the buffers used so far (a register saved
 // against a separate stage and phase); the mbarrier phase parity flips at each wrap.
+template <int kRing = kStages>
 struct PipeState {
     u32 count = 0;
-    CF_DEVICE int stage() const { return count % kStages; }
-    CF_DEVICE u32 phase() const { return (count / kStages) & 1; }
+    CF_DEVICE int stage() const { return count % kRing; }
+    CF_DEVICE u32 phase() const { return (count / kRing) & 1; }
     CF_DEVICE void advance() { ++count; }
 };
 
@@ -175,7 +179,7 @@ CF_DEVICE bool block_needs_mask(int n_block, int m_block, const FwdParams& p) {
 // One K or V block into its pipeline stage: wait until the consumers released the stage, announce
 // the bytes, one TMA box per 64-column panel. `is_v` picks the V ring (tiles and barriers).
 template <class Tl, bool kIsV>
-CF_DEVICE void load_kv_block(u32 smem, const TensorMap* map, const FwdBarriers& bars, PipeState& st, int n_block,
+CF_DEVICE void load_kv_block(u32 smem, const TensorMap* map, const FwdBarriers& bars, PipeState<>& st, int n_block,
                              int kv_head, int batch) {
     const u32 full = kIsV ? bars.v_full(st.stage()) : bars.k_full(st.stage());
     mbarrier_wait(kIsV ? bars.v_empty(st.stage()) : bars.k_empty(st.stage()), st.phase() ^ 1);
@@ -194,8 +198,8 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
     tma_prefetch_map(&p.q_map);
     tma_prefetch_map(&p.k_map);
     tma_prefetch_map(&p.v_map);
-    PipeState k_state, v_state;
-    u32 q_phase = 0;
+    PipeState<> k_state, v_state;
+    PipeState<Tl::kQStages> q_state;
     for (TileWalk<kCausal> walk;;) {
         walk.publish(bars);
         if (walk.tile >= p.tiles) break;
@@ -206,13 +210,14 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
             continue;
         }
         const int kv_head = tile.head / p.kv_group;
-        mbarrier_wait(bars.q_empty(), q_phase ^ 1);
-        mbarrier_arrive_expect_bytes(bars.q_full(), Tl::kQBytes);
+        const int q_stage = q_state.stage();
+        mbarrier_wait(bars.q_empty(q_stage), q_state.phase() ^ 1);
+        mbarrier_arrive_expect_bytes(bars.q_full(q_stage), Tl::kQBytes);
 #pragma unroll
         for (int panel = 0; panel < Tl::kPanels; ++panel)
-            tma_load_4d(smem + panel * kBlockM * 128, &p.q_map, bars.q_full(), panel * 64, tile.m_block * kBlockM,
-                        tile.head, tile.batch, kEvictFirst);
-        q_phase ^= 1;
+            tma_load_4d(smem + q_stage * Tl::kQBytes + panel * kBlockM * 128, &p.q_map, bars.q_full(q_stage),
+                        panel * 64, tile.m_block * kBlockM, tile.head, tile.batch, kEvictFirst);
+        q_state.advance();
         // The consumers take K one block ahead of V: K[n] is multiplied while P[n+1] V[n+1] runs.
         load_kv_block<Tl, false>(smem, &p.k_map, bars, k_state, n_blocks - 1,
                                          kv_head, tile.batch);
@@ -395,82 +400,143 @@ CF_DEVICE void release(u32 bar, int lane) {
     if (lane == 0) mbarrier_arrive(bar);
 }
 
+// A consumer's view of one tile of the walk: which tile, how many key blocks, its two rows.
+struct ConsumerTile {
+    Tile tile;
+    int n_blocks;  // key blocks [0, n_blocks); 0: rows that see no key
+    int row[2];    // this thread's rows of O
+    bool valid;    // false past the last tile
+};
+
+template <class Tl, bool kCausal>
+CF_DEVICE ConsumerTile consumer_tile(int t, int group, int warp, int lane, const FwdParams& p) {
+    ConsumerTile c;
+    c.valid = t < p.tiles;
+    c.tile = tile_at<kCausal>(c.valid ? t : 0, p);
+    c.n_blocks = c.valid ? key_blocks<kCausal, Tl::kBlockM, Tl::kBlockN>(c.tile.m_block, p) : 0;
+    c.row[0] = c.tile.m_block * Tl::kBlockM + group * 64 + warp * 16 + lane / 4;
+    c.row[1] = c.row[0] + 8;
+    return c;
+}
+
+// The consumer warpgroup's walk. Per tile, key blocks go from the last to the first: S of the last
+// block alone, then S of block n while P[n+1] V[n+1] accumulates, then P[0] V[0] alone, then the
+// epilogue. With two Q stages the tile boundary is one step like the others: the next tile's first
+// S runs with this tile's last P V, and the epilogue follows while nothing waits on it.
 template <class Tl, bool kCausal, bool kBf16>
 CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, int group) {
     constexpr int kBlockN = Tl::kBlockN, kORegs = Tl::kORegs;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-    const u32 q_rows = smem + group * 64 * 128;
     const u32 k_tiles = smem + Tl::kK, v_tiles = smem + Tl::kV;
     if (group == Tl::kGroups - 1) pass_turn<Tl::kGroups>(group);  // group 0 issues first
-    PipeState k_state, v_state;
-    u32 q_phase = 0;
+    PipeState<> k_state, v_state;
+    PipeState<Tl::kQStages> q_state;
     TileWalk<kCausal> walk;
-    for (int round = 0;; ++round) {
-        walk.receive(bars, round);
-        if (walk.tile >= p.tiles) break;
-        const Tile tile = tile_at<kCausal>(walk.tile, p);
-        const int n_blocks = key_blocks<kCausal, Tl::kBlockM, Tl::kBlockN>(tile.m_block, p);
-        const int row0 = tile.m_block * Tl::kBlockM + group * 64 + warp * 16 + lane / 4;
-        const int row[2] = {row0, row0 + 8};
-        float o[kORegs];
+    walk.receive(bars, 0);
+    ConsumerTile cur = consumer_tile<Tl, kCausal>(walk.tile, group, warp, lane, p);
+    float o[kORegs], s[kBlockN / 2], scale[2];
+    u32 pa[kBlockN / 16][4];
+    RowStats stats;
 #pragma unroll
-        for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
-        RowStats stats;
-        if (n_blocks > 0) {
-            float s[kBlockN / 2];
-            u32 pa[kBlockN / 16][4];
-            float scale[2];
-            mbarrier_wait(bars.q_full(), q_phase);
-            q_phase ^= 1;
-            // The last key block alone: its scores, then P.
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+    // Q of the current tile, from the first wait on it to its release after the tile's last Q K^T.
+    auto q_rows = [&]() { return smem + q_state.stage() * Tl::kQBytes + group * 64 * 128; };
+    auto release_q = [&]() {
+        release(bars.q_empty(q_state.stage()), lane);
+        q_state.advance();
+    };
+    // S of a tile's last key block alone (nothing to overlap it with), folded into fresh statistics.
+    auto first_block = [&](const ConsumerTile& t) {
+        mbarrier_wait(bars.q_full(q_state.stage()), q_state.phase());
+        mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
+        take_turn(group);
+        issue_scores<Tl, kBf16>(s, q_rows(), k_tiles + k_state.stage() * Tl::kKVBytes);
+        pass_turn<Tl::kGroups>(group);
+        wgmma_wait<0>();
+        register_fence(s);
+        release(bars.k_empty(k_state.stage()), lane);
+        k_state.advance();
+        if (t.n_blocks == 1) release_q();  // its only Q K^T is done: Q may reload
+        fold_block<Tl, kCausal>(s, t.n_blocks - 1, t.tile.m_block, t.row, lane, stats, scale, p);
+        pack_probabilities<kBlockN, kBf16>(s, pa);
+    };
+    if (cur.valid && cur.n_blocks > 0) first_block(cur);
+    for (int round = 1; cur.valid; ++round) {
+        // S of block n while P[n+1] V[n+1] accumulates.
+        for (int n = cur.n_blocks - 2; n >= 0; --n) {
             mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
-            take_turn(group);
-            issue_scores<Tl, kBf16>(s, q_rows, k_tiles + k_state.stage() * Tl::kKVBytes);
-            pass_turn<Tl::kGroups>(group);
-            wgmma_wait<0>();
-            register_fence(s);
-            release(bars.k_empty(k_state.stage()), lane);
-            k_state.advance();
-            if (n_blocks == 1) release(bars.q_empty(), lane);  // its only Q K^T is done: Q may reload
-            fold_block<Tl, kCausal>(s, n_blocks - 1, tile.m_block, row, lane, stats, scale, p);
-            pack_probabilities<kBlockN, kBf16>(s, pa);
-            // Then: scores of block n while P[n+1] V[n+1] accumulates.
-            for (int n = n_blocks - 2; n >= 0; --n) {
-                mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
-                take_turn(group);
-                register_fence(o);
-                register_fence(pa);
-                issue_scores<Tl, kBf16>(s, q_rows, k_tiles + k_state.stage() * Tl::kKVBytes);
-                mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
-                issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
-                pass_turn<Tl::kGroups>(group);
-                wgmma_wait<1>();
-                register_fence(s);
-                release(bars.k_empty(k_state.stage()), lane);
-                k_state.advance();
-                if (n == 0) release(bars.q_empty(), lane);  // the tile's last Q K^T is done: Q may reload
-                fold_block<Tl, kCausal>(s, n, tile.m_block, row, lane, stats, scale, p);
-                wgmma_wait<0>();
-                register_fence(o);
-                register_fence(pa);
-                release(bars.v_empty(v_state.stage()), lane);
-                v_state.advance();
-                // Skip (exact): once the row maxima settle, most blocks leave every scale at 1.
-                if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
-                pack_probabilities<kBlockN, kBf16>(s, pa);
-            }
-            mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
             take_turn(group);
             register_fence(o);
             register_fence(pa);
+            issue_scores<Tl, kBf16>(s, q_rows(), k_tiles + k_state.stage() * Tl::kKVBytes);
+            mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
             issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
             pass_turn<Tl::kGroups>(group);
+            wgmma_wait<1>();
+            register_fence(s);
+            release(bars.k_empty(k_state.stage()), lane);
+            k_state.advance();
+            if (n == 0) release_q();  // the tile's last Q K^T is done: Q may reload
+            fold_block<Tl, kCausal>(s, n, cur.tile.m_block, cur.row, lane, stats, scale, p);
             wgmma_wait<0>();
             register_fence(o);
+            register_fence(pa);
             release(bars.v_empty(v_state.stage()), lane);
             v_state.advance();
+            // Skip (exact): once the row maxima settle, most blocks leave every scale at 1.
+            if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
+            pack_probabilities<kBlockN, kBf16>(s, pa);
         }
-        store_rows<kORegs, kBf16>(o, stats, row, lane, tile, p);
+        walk.receive(bars, round);
+        const ConsumerTile next = consumer_tile<Tl, kCausal>(walk.tile, group, warp, lane, p);
+        if (Tl::kQStages == 2 && cur.n_blocks > 0 && next.valid && next.n_blocks > 0) {
+            // The next tile's first S (its Q in the other stage) with this tile's last P V.
+            RowStats next_stats;
+            mbarrier_wait(bars.q_full(q_state.stage()), q_state.phase());
+            mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
+            take_turn(group);
+            register_fence(o);
+            register_fence(pa);
+            issue_scores<Tl, kBf16>(s, q_rows(), k_tiles + k_state.stage() * Tl::kKVBytes);
+            mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
+            issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
+            pass_turn<Tl::kGroups>(group);
+            wgmma_wait<1>();
+            register_fence(s);
+            release(bars.k_empty(k_state.stage()), lane);
+            k_state.advance();
+            if (next.n_blocks == 1) release_q();
+            fold_block<Tl, kCausal>(s, next.n_blocks - 1, next.tile.m_block, next.row, lane, next_stats, scale, p);
+            wgmma_wait<0>();
+            register_fence(o);
+            register_fence(pa);
+            release(bars.v_empty(v_state.stage()), lane);
+            v_state.advance();
+            store_rows<kORegs, kBf16>(o, stats, cur.row, lane, cur.tile, p);
+            stats = next_stats;
+#pragma unroll
+            for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+            pack_probabilities<kBlockN, kBf16>(s, pa);
+        } else {
+            if (cur.n_blocks > 0) {  // P[0] V[0] alone
+                mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
+                take_turn(group);
+                register_fence(o);
+                register_fence(pa);
+                issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
+                pass_turn<Tl::kGroups>(group);
+                wgmma_wait<0>();
+                register_fence(o);
+                release(bars.v_empty(v_state.stage()), lane);
+                v_state.advance();
+            }
+            store_rows<kORegs, kBf16>(o, stats, cur.row, lane, cur.tile, p);
+            stats = RowStats();
+#pragma unroll
+            for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+            if (next.valid && next.n_blocks > 0) first_block(next);
+        }
+        cur = next;
     }
 }
 
@@ -485,8 +551,10 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim, kBlockN, kGroups>::kThreads,
     if (threadIdx.x == 0) {
         mbarrier_init(bars.tile_full(), 1);
         mbarrier_init(bars.tile_empty(), 32 * Tl::kConsumerWarps);
-        mbarrier_init(bars.q_full(), 1);
-        mbarrier_init(bars.q_empty(), Tl::kConsumerWarps);
+        for (int s = 0; s < Tl::kQStages; ++s) {
+            mbarrier_init(bars.q_full(s), 1);
+            mbarrier_init(bars.q_empty(s), Tl::kConsumerWarps);
+        }
         for (int s = 0; s < kStages; ++s) {
             mbarrier_init(bars.k_full(s), 1);
             mbarrier_init(bars.k_empty(s), Tl::kConsumerWarps);

@@ -60,9 +60,14 @@ class WgmmaFwdConfig:
         return -(-self.head_dim // 64)
 
     @property
+    def q_stages(self) -> int:
+        """Q tiles in shared memory (FwdTile::kQStages): two up to head dim 64."""
+        return 2 if self.panels == 1 else 1
+
+    @property
     def smem_bytes(self) -> int:
-        """Q tile + STAGES K and V blocks (128-byte rows per 64 columns) + barriers + alignment slack."""
-        return (self.block_m + 2 * STAGES * self.block_n) * 128 * self.panels + 128 + 1024
+        """Q tiles + STAGES K and V blocks (128-byte rows per 64 columns) + barriers + alignment slack."""
+        return (self.q_stages * self.block_m + 2 * STAGES * self.block_n) * 128 * self.panels + 128 + 1024
 
     def template_name(self) -> str:
         return (f"flash_fwd_sm90<{self.head_dim}, {self.block_n}, {self.groups}, {cpp_bool(self.causal)}, "
