@@ -14,8 +14,8 @@
 // Its dQ part goes to an fp32 accumulator in global memory: each warp stages its 16 x 64 part in
 // shared memory (the 8 parts in the accumulator's own order, DqFragments), and the dQ keeper, one
 // thread of the producer warpgroup, adds the block's 32 KB in L2 with one bulk reduction (keep_dq;
-// per-element red.global adds cost 30% of the kernel's time, one bulk reduction per warp 2-7% more
-// than one per block at head dim 64). flash_bwd_dq_sm90 scales and converts the accumulator
+// per-element red.global adds cost 30% of the kernel's time; one bulk reduction per warp instead of
+// per block was 2-7% slower at head dim 64). flash_bwd_dq_sm90 scales and converts the accumulator
 // afterwards, and for GQA flash_bwd_convert_kernel sums the per-query-head dK and dV written here
 // in fp32.
 //
@@ -23,7 +23,8 @@
 // CTA's block at the CTA's turn on that query block (dq_turn). The order of turns is chosen so that
 // each CTA's predecessor on a block got there a step or more earlier, and the turns rarely wait:
 //  - causal: ascending walks, turns by descending key block (key block n + 1 starts one or two query
-//    blocks further down, so it reaches every block first);
+//    blocks further down, so it reaches every block first; when seqlen_k > seqlen_q, the key blocks
+//    that all start at query block 0 queue there one after another);
 //  - non-causal, when all CTAs of a head fit on the device at once (dq_turn_cyclic): CTA n starts
 //    at query block n mod m_blocks and walks on cyclically, so at each step the CTAs of a head are
 //    on different blocks; turns follow the step at which a CTA reaches the block, then n;
@@ -31,6 +32,10 @@
 //    next one by the wait, but no CTA waits for one that is not running yet).
 // CTAs are dispatched from the highest key block down, so every CTA that the first turns wait for
 // starts first; the cyclic order needs every CTA of the head on the device at once, hence the flag.
+// Two assumptions, FA3's too: the GPU starts CTAs in blockIdx order, and for the cyclic order, all
+// its SMs are free to this kernel (a green context or an MPS limit with fewer SMs than the device
+// reports could leave a waited-for CTA unstarted; other kernels on the GPU only delay it). Taking
+// key blocks from a per-head atomic ticket would remove the first.
 //
 // Tiles per head dim (BwdTile): head dim 128 takes 64 query rows per step and the groups split dQ's
 // columns; head dim 64 takes 128 rows (wider S^T products, which read less shared memory per MMA)
@@ -121,7 +126,7 @@ CF_DEVICE int query_block(int it, int first, int n_block, const BwdParams& p) {
     return first + it;
 }
 
-// Cyclic interval [lo, hi) of residues: how many are below `bound`.
+// How many of lo, lo + 1, ..., hi - 1 are below `bound` (dq_turn splits a cyclic interval into two of these).
 CF_DEVICE int count_below(int lo, int hi, int bound) { return max(0, min(hi, bound) - lo); }
 
 // Deterministic mode: the turn of key block n on query block m (its rank among the CTAs that add to
@@ -135,13 +140,16 @@ CF_DEVICE int dq_turn(int m, int n, const BwdParams& p) {
         return min(n_blocks - 1, (bound - 1) / kBlockN) - n;
     }
     if (!p.dq_turn_cyclic) return n_blocks - 1 - n;
-    // Key block j reaches m at step (m - j) mod M. Count the CTAs that reach m at an earlier step
-    // (the steps s' < s are residues m - s' of key blocks j mod M; residue c has Q + (c < R) key
-    // blocks, n_blocks = Q M + R), then those that reach it at the same step with a lower index.
-    const int M = p.m_blocks, Q = n_blocks / M, R = n_blocks % M;
-    const int step = ((m - n) % M + M) % M, lo = m - step + 1;
-    const int fuller = lo >= 0 ? count_below(lo, m + 1, R) : count_below(0, m + 1, R) + count_below(lo + M, M, R);
-    return step * Q + fuller + n / M;
+    // Key block j reaches m at step (m - j) mod M. Count the CTAs that reach m at an earlier step,
+    // then those that reach it at the same step with a lower index. The steps s' < s belong to the
+    // key blocks j with j mod M in {m - s' mod M}: each residue c has `rounds` key blocks, plus one
+    // more if c < extra (n_blocks = rounds M + extra), so the earlier ones number
+    // step * rounds + (how many residues m - s' mod M, s' < step, are below extra).
+    const int M = p.m_blocks, rounds = n_blocks / M, extra = n_blocks % M;
+    const int step = ((m - n) % M + M) % M, lo = m - step + 1;  // the residues: [lo, m] cyclically
+    const int with_extra = lo >= 0 ? count_below(lo, m + 1, extra)
+                                   : count_below(0, m + 1, extra) + count_below(lo + M, M, extra);
+    return step * rounds + with_extra + n / M;
 }
 
 // dQ accumulator layout: per (batch, head, query block) the 8 consumer warps' parts, 1024 floats each

@@ -54,6 +54,7 @@ struct FwdTile {
     static constexpr int kPanels = (kHeadDim + 63) / 64;
     static constexpr int kORegs = kPanels * 32;  // O accumulators per thread (64 x kPanels*64 per group)
     static constexpr int kQStages = kPanels == 1 ? 2 : 1;
+    static_assert(kQStages <= 2, "FwdBarriers has room for two Q stages");
     static constexpr int kQBytes = kBlockM * 128 * kPanels;
     static constexpr int kKVBytes = kBlockN * 128 * kPanels;
     static constexpr int kK = kQStages * kQBytes;
