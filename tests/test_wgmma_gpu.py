@@ -210,6 +210,18 @@ def _attention_grads(fn, q, k, v, dout):
     return [x.grad.float() for x in (q, k, v)]
 
 
+def _assert_within_fa2_rule(grads, q, k, v, dout, causal):
+    """dq, dk, dv within 3x the error of the same math in 16-bit torch against fp32 (FA2's rule)."""
+    from test_torch_gpu import reference  # here: that module needs torch, the others here do not
+
+    exact = _attention_grads(lambda x, y, z: reference(x.float(), y.float(), z.float(), causal), q, k, v,
+                             dout.float())
+    low = _attention_grads(lambda x, y, z: reference(x, y, z, causal), q, k, v, dout)
+    for name, g, e, l in zip(("dq", "dk", "dv"), grads, exact, low):
+        error, allowed = (g - e).abs().max().item(), 3 * (l - e).abs().max().item() + 1e-4
+        assert error <= allowed, f"{name}: error {error:.3g} > {allowed:.3g}"
+
+
 @hopper_only
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -221,8 +233,6 @@ def test_the_hopper_backward_matches_the_reference(monkeypatch, b, sq, sk, h, hk
     """Head dims 64 and 128: gradients within 3x the error of the same math in
     16-bit torch against fp32 (FA2's rule), and the wgmma backward is the one that ran."""
     import torch
-
-    from test_torch_gpu import reference  # here: that module needs torch, the others here do not
 
     import cuflash2
     from cuflash2.families.wgmma import backward as wgmma_backward
@@ -237,12 +247,7 @@ def test_the_hopper_backward_matches_the_reference(monkeypatch, b, sq, sk, h, hk
     k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dt) for _ in range(2))
     got = _attention_grads(lambda x, y, z: cuflash2.flash_attn_func(x, y, z, causal=causal), q, k, v, dout)
     assert calls, "the Hopper backward did not run"
-    exact = _attention_grads(lambda x, y, z: reference(x.float(), y.float(), z.float(), causal), q, k, v,
-                             dout.float())
-    low = _attention_grads(lambda x, y, z: reference(x, y, z, causal), q, k, v, dout)
-    for name, g, e, l in zip(("dq", "dk", "dv"), got, exact, low):
-        error, allowed = (g - e).abs().max().item(), 3 * (l - e).abs().max().item() + 1e-4
-        assert error <= allowed, f"{name}: error {error:.3g} > {allowed:.3g}"
+    _assert_within_fa2_rule(got, q, k, v, dout, causal)
 
 
 @pytest.fixture
@@ -287,8 +292,6 @@ def test_the_deterministic_hopper_backward_gives_the_same_bits_every_run(monkeyp
     "linear": non-causal, with the walk a head takes when its CTAs do not all fit on the device."""
     import torch
 
-    from test_torch_gpu import reference
-
     import cuflash2
     from cuflash2.families.wgmma import backward as wgmma_backward
 
@@ -308,12 +311,7 @@ def test_the_deterministic_hopper_backward_gives_the_same_bits_every_run(monkeyp
     for _ in range(3):
         assert all(torch.equal(g, f) for g, f in zip(run(), first)), "gradients differ between runs"
     assert modes and all(modes), "the deterministic Hopper backward did not run"
-    exact = _attention_grads(lambda x, y, z: reference(x.float(), y.float(), z.float(), causal), q, k, v,
-                             dout.float())
-    low = _attention_grads(lambda x, y, z: reference(x, y, z, causal), q, k, v, dout)
-    for name, g, e, l in zip(("dq", "dk", "dv"), first, exact, low):
-        error, allowed = (g - e).abs().max().item(), 3 * (l - e).abs().max().item() + 1e-4
-        assert error <= allowed, f"{name}: error {error:.3g} > {allowed:.3g}"
+    _assert_within_fa2_rule(first, q, k, v, dout, causal)
 
 
 @hopper_only

@@ -461,29 +461,38 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         fold_block<Tl, kCausal>(s, t.n_blocks - 1, t.tile.m_block, t.row, lane, stats, scale, p);
         pack_probabilities<kBlockN, kBf16>(s, pa);
     };
+    // S of the next key block issued with P V of the one before (their K and V stages in order), and
+    // the first wait: S complete, its K stage released.
+    auto issue_scores_and_values = [&]() {
+        mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
+        take_turn(group);
+        register_fence(o);
+        register_fence(pa);
+        issue_scores<Tl, kBf16>(s, q_rows(), k_tiles + k_state.stage() * Tl::kKVBytes);
+        mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
+        issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
+        pass_turn<Tl::kGroups>(group);
+        wgmma_wait<1>();
+        register_fence(s);
+        release(bars.k_empty(k_state.stage()), lane);
+        k_state.advance();
+    };
+    // P V complete: its V stage released.
+    auto finish_values = [&]() {
+        wgmma_wait<0>();
+        register_fence(o);
+        register_fence(pa);
+        release(bars.v_empty(v_state.stage()), lane);
+        v_state.advance();
+    };
     if (cur.valid && cur.n_blocks > 0) first_block(cur);
     for (int round = 1; cur.valid; ++round) {
         // S of block n while P[n+1] V[n+1] accumulates.
         for (int n = cur.n_blocks - 2; n >= 0; --n) {
-            mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
-            take_turn(group);
-            register_fence(o);
-            register_fence(pa);
-            issue_scores<Tl, kBf16>(s, q_rows(), k_tiles + k_state.stage() * Tl::kKVBytes);
-            mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
-            issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
-            pass_turn<Tl::kGroups>(group);
-            wgmma_wait<1>();
-            register_fence(s);
-            release(bars.k_empty(k_state.stage()), lane);
-            k_state.advance();
+            issue_scores_and_values();
             if (n == 0) release_q();  // the tile's last Q K^T is done: Q may reload
             fold_block<Tl, kCausal>(s, n, cur.tile.m_block, cur.row, lane, stats, scale, p);
-            wgmma_wait<0>();
-            register_fence(o);
-            register_fence(pa);
-            release(bars.v_empty(v_state.stage()), lane);
-            v_state.advance();
+            finish_values();
             // Skip (exact): once the row maxima settle, most blocks leave every scale at 1.
             if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
             pack_probabilities<kBlockN, kBf16>(s, pa);
@@ -494,25 +503,10 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
             // The next tile's first S (its Q in the other stage) with this tile's last P V.
             RowStats next_stats;
             mbarrier_wait(bars.q_full(q_state.stage()), q_state.phase());
-            mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
-            take_turn(group);
-            register_fence(o);
-            register_fence(pa);
-            issue_scores<Tl, kBf16>(s, q_rows(), k_tiles + k_state.stage() * Tl::kKVBytes);
-            mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
-            issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
-            pass_turn<Tl::kGroups>(group);
-            wgmma_wait<1>();
-            register_fence(s);
-            release(bars.k_empty(k_state.stage()), lane);
-            k_state.advance();
+            issue_scores_and_values();
             if (next.n_blocks == 1) release_q();
             fold_block<Tl, kCausal>(s, next.n_blocks - 1, next.tile.m_block, next.row, lane, next_stats, scale, p);
-            wgmma_wait<0>();
-            register_fence(o);
-            register_fence(pa);
-            release(bars.v_empty(v_state.stage()), lane);
-            v_state.advance();
+            finish_values();
             store_rows<kORegs, kBf16>(o, stats, cur.row, lane, cur.tile, p);
             stats = next_stats;
 #pragma unroll
