@@ -99,7 +99,8 @@ def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest(monkeypatch)
     assert families.family_for(90, _problem(), "backward", grads).name == "wgmma"  # head dim 128
     assert families.family_for(90, _problem(), "backward", grads, deterministic=True).name == "wgmma"
     assert families.family_for(90, _problem(d=64), "backward", grads).name == "wgmma"
-    assert families.family_for(90, _problem(d=96), "backward", grads).name == "mma_sync"
+    assert families.family_for(90, _problem(d=96), "backward", grads).name == "wgmma"  # on the d128 kernel
+    assert families.family_for(90, _problem(d=192), "backward", grads).name == "mma_sync"
     assert families.family_for(90, _problem(), "backward", misaligned_grads := [("dout", _bshd(ptr=(1 << 20) + 2))]
                                ).name == "mma_sync"
     assert misaligned_grads
@@ -276,11 +277,11 @@ def test_scratch_of_a_captured_call_lives_on(monkeypatch):
     assert launcher._captured_scratch == [array]
 
 
-def test_backward_params_struct_is_the_kernels_640_bytes():
-    assert wgmma_bwd.PARAMS.size == 640  # flash_bwd_sm90.cu static_asserts sizeof(BwdParams) == 640
+def test_backward_params_struct_is_the_kernels_704_bytes():
+    assert wgmma_bwd.PARAMS.size == 704  # flash_bwd_sm90.cu static_asserts sizeof(BwdParams) == 704
 
 
-def test_the_backward_runs_head_dims_64_and_128_and_leaves_the_rest(monkeypatch):
+def test_the_backward_runs_head_dims_32_to_128_and_leaves_the_rest(monkeypatch):
     from cuflash2.problem.features import Features
 
 
@@ -289,7 +290,12 @@ def test_the_backward_runs_head_dims_64_and_128_and_leaves_the_rest(monkeypatch)
     assert wgmma_bwd.unsupported_reason(90, _problem(causal=True), False, grads) == ""
     assert wgmma_bwd.unsupported_reason(90, _problem(), True, grads) == ""  # deterministic: ordered dQ adds
     assert wgmma_bwd.unsupported_reason(90, _problem(d=64), False, grads) == ""
-    assert "head dims 64 and 128, got 256" in wgmma_bwd.unsupported_reason(90, _problem(d=256), False, grads)
+    for d in (32, 40, 96, 104):  # on the kernel of the next head dim up, its columns past d as zeros
+        assert wgmma_bwd.unsupported_reason(90, _problem(d=d), False, grads) == ""
+    for d in (24, 100, 136, 256):
+        assert f"multiples of 8 from 32 to 128, got {d}" in wgmma_bwd.unsupported_reason(90, _problem(d=d), False,
+                                                                                         grads)
+    assert [wgmma_bwd.kernel_head_dim(d) for d in (32, 64, 72, 128)] == [64, 64, 128, 128]
     assert "compute capability 9.0" in wgmma_bwd.unsupported_reason(80, _problem(), False, grads)
     assert "plain and causal" in wgmma_bwd.unsupported_reason(90, _problem(features=Features(softcap=5.0)), False,
                                                               grads)
@@ -332,24 +338,25 @@ def _record_backward(monkeypatch, problem, deterministic=False):
     return record
 
 
-@pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True), (96, False), (40, True)])
 def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeypatch, d, gqa):
     """Without a GPU: the launches the Hopper backward queues (pre-pass, main kernel, dQ conversion,
     and with GQA the dK/dV sums), their grids, the scratch they get, the tensor maps' boxes and the
     parameter struct they pack, for seqlens that are not multiples of the tiles."""
     b, sq, sk, h, hk = 2, 300, 200, 4, 2 if gqa else 4
-    block_m = {64: 128, 128: 64}[d]  # BwdTile<d>::kBlockM
+    kd = 64 if d <= 64 else 128  # the kernel's head dim
+    block_m = {64: 128, 128: 64}[kd]  # BwdTile<kd>::kBlockM
     m_blocks = -(-sq // block_m)
     record = _record_backward(monkeypatch, AttentionProblem(AttentionShape(b, sq, sk, h, hk, d, "bfloat16", 0.1), True))
     scratch, maps, t = record["scratch"], record["maps"], record["tensors"]
 
     (rows, rows_grid), (main, main_grid, packed), (dq_pass, dq_grid) = record["launches"]
     assert (rows.kernel, rows_grid) == ("rows", (-(-m_blocks * block_m // 32), h, b))
-    assert (main.head_dim, main.causal, main.gqa, main.deterministic) == (d, True, gqa, False)
+    assert (main.head_dim, main.causal, main.gqa, main.deterministic) == (kd, True, gqa, False)
     assert main_grid == (-(-sk // wgmma_bwd.BLOCK_N), h, b)
-    assert (dq_pass.kernel, dq_pass.head_dim, dq_grid) == ("dq", d, (m_blocks, h, b))
+    assert (rows.head_dim, dq_pass.kernel, dq_pass.head_dim, dq_grid) == (kd, "dq", kd, (m_blocks, h, b))
     assert scratch[:2] == [((b, h, m_blocks * block_m), "float32", False)] * 2  # LSE_log2, D
-    assert scratch[2] == ((b, h, m_blocks, block_m * d), "float32", True)  # the dQ accumulator, zeroed
+    assert scratch[2] == ((b, h, m_blocks, block_m * kd), "float32", True)  # the dQ accumulator, zeroed
     assert len(scratch) == (5 if gqa else 3)  # + dK, dV per query head with GQA; no turn counters
     assert len(record["converts"]) == (2 if gqa else 0)
     # Q and dO in boxes of the query block, K and V of the CTA's 128 keys; dims innermost first.
@@ -357,10 +364,11 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
                     (t["k"].data_ptr, (d, sk, hk, b), (64, 128, 1, 1)),
                     (t["v"].data_ptr, (d, sk, hk, b), (64, 128, 1, 1)),
                     (t["dout"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1))]
-    fields = wgmma_bwd.PARAMS.unpack(packed)  # ..., turns pointer, dk, dv, 6 i64, 6 ints, 2 floats (BwdParams)
-    assert fields[-17] == 0  # no turn counters
-    assert fields[-8:-2] == (sq, sk, h, h // hk, m_blocks, 0)
-    assert fields[-1] == pytest.approx(0.1) and fields[-2] == pytest.approx(0.1 * 1.4426950408889634)
+    fields = wgmma_bwd.PARAMS.unpack(packed)  # ..., turns pointer, dk, dv, 6 i64, 6 ints, 2 floats, head dim
+    assert fields[-18] == 0  # no turn counters
+    assert fields[-9:-3] == (sq, sk, h, h // hk, m_blocks, 0)
+    assert fields[-2] == pytest.approx(0.1) and fields[-3] == pytest.approx(0.1 * 1.4426950408889634)
+    assert fields[-1] == d  # the call's head dim: the kernel stores its columns, loads the rest as zeros
 
 
 @pytest.mark.parametrize("causal, sk, sms, cyclic", [(False, 1000, 132, 1), (False, 1000, 7, 0), (True, 1000, 132, 0)])
@@ -377,7 +385,7 @@ def test_the_deterministic_backward_gets_zeroed_turn_counters_and_its_walk(monke
     assert main.deterministic and main_grid == (-(-sk // 128), h, b)  # 8 key blocks
     assert record["scratch"][3] == ((b, h, m_blocks), "int32", True)
     fields = wgmma_bwd.PARAMS.unpack(packed)
-    assert fields[-17] != 0 and fields[-3] == cyclic
+    assert fields[-18] != 0 and fields[-4] == cyclic
 
 
 def test_the_deterministic_backward_is_its_own_instantiation():

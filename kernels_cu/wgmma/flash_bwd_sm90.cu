@@ -59,8 +59,10 @@ struct BwdParams {
     int dq_turn_cyclic;                     // deterministic non-causal mode: the cyclic walk (see above)
     float scale_log2;                       // softmax_scale * log2(e)
     float softmax_scale;
+    int head_dim;                           // the call's, a multiple of 8 up to kHeadDim (the tiles' columns
+                                            //   past it load as zeros)
 };
-static_assert(sizeof(BwdParams) == 640, "BwdParams: host layout (4 maps, 6 pointers, 6 i64, 6 int, 2 float)");
+static_assert(sizeof(BwdParams) == 704, "BwdParams: host layout (4 maps, 6 pointers, 6 i64, 6 int, 2 float, 1 int)");
 
 namespace bwd {
 
@@ -321,7 +323,7 @@ CF_DEVICE void stage_query_gradient(const float (&dq)[32], u32 staging, int lane
 }
 
 // This thread's two rows of dK or dV: 16-bit pairs into the gradient, or fp32 pairs into the
-// per-query-head accumulator (GQA).
+// per-query-head accumulator (GQA); columns up to the call's head dim.
 template <class T, bool kBf16, bool kGqa>
 CF_DEVICE void store_key_gradient(const float (&acc)[T::kHeadDim / 2], float scale, void* base, i64 batch_stride,
                                   i64 row_stride, i64 head_stride, const int (&key)[2], int head, int batch, int lane,
@@ -332,10 +334,11 @@ CF_DEVICE void store_key_gradient(const float (&acc)[T::kHeadDim / 2], float sca
 #pragma unroll
         for (int j = 0; j < T::kHeadDim / 8; ++j) {
             const int col = 8 * j + 2 * (lane % 4);
+            if (col >= p.head_dim) continue;
             const float lo = acc[4 * j + 2 * r] * scale, hi = acc[4 * j + 2 * r + 1] * scale;
             if constexpr (kGqa) {
                 float* out = static_cast<float*>(base) +
-                             (((i64)batch * p.seqlen_k + key[r]) * p.nheads + head) * T::kHeadDim;
+                             (((i64)batch * p.seqlen_k + key[r]) * p.nheads + head) * p.head_dim;
                 *reinterpret_cast<float2*>(out + col) = make_float2(lo, hi);
             } else {
                 u16* out = static_cast<u16*>(base) + batch * batch_stride + key[r] * row_stride +
@@ -492,14 +495,14 @@ __global__ void __launch_bounds__(256)
     flash_bwd_rows_sm90(const u16* __restrict__ dout, const u16* __restrict__ out, const float* __restrict__ lse,
                         float* __restrict__ lse_log2, float* __restrict__ delta, i64 do_batch_stride,
                         i64 do_row_stride, i64 do_head_stride, i64 o_batch_stride, i64 o_row_stride,
-                        i64 o_head_stride, int seqlen_q, int nheads, int m_blocks) {
+                        i64 o_head_stride, int seqlen_q, int nheads, int m_blocks, int head_dim) {
     using T = Element16<kBf16>;
     const int lane8 = threadIdx.x % 8, row = blockIdx.x * 32 + threadIdx.x / 8, head = blockIdx.y, batch = blockIdx.z;
     const int padded = m_blocks * bwd::BwdTile<kHeadDim>::kBlockM;
     if (row >= padded) return;
     const u16* dop = dout + batch * do_batch_stride + row * do_row_stride + head * do_head_stride;
     const u16* op = out + batch * o_batch_stride + row * o_row_stride + head * o_head_stride;
-    const float acc = sum_over_8_lanes(row < seqlen_q ? row_dot_part<T>(dop, op, lane8, kHeadDim) : 0.f);
+    const float acc = sum_over_8_lanes(row < seqlen_q ? row_dot_part<T>(dop, op, lane8, head_dim) : 0.f);
     if (lane8 == 0) {
         const i64 at = ((i64)batch * nheads + head) * padded + row;
         delta[at] = acc;
@@ -517,7 +520,7 @@ __global__ void __launch_bounds__(256)
 template <int kHeadDim, bool kBf16>
 __global__ void __launch_bounds__(256)
     flash_bwd_dq_sm90(const float* __restrict__ acc, u16* __restrict__ dq, i64 batch_stride, i64 row_stride,
-                      i64 head_stride, int seqlen_q, int nheads, int m_blocks, float scale) {
+                      i64 head_stride, int seqlen_q, int nheads, int m_blocks, float scale, int head_dim) {
     using namespace bwd;
     using T = BwdTile<kHeadDim>;
     using E = Element16<kBf16>;
@@ -541,6 +544,7 @@ __global__ void __launch_bounds__(256)
         }
         const int row = m * T::kBlockM + 64 * T::query_panel(group) + 16 * (part % 4) + r;
         const int col = 64 * T::column_panel(group) + 8 * c;
+        if (col >= head_dim) continue;  // head_dim is a multiple of 8: a cell is in or out
         const u32* rows[2] = {upper, lower};
 #pragma unroll
         for (int half = 0; half < 2; ++half) {

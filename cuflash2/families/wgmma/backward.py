@@ -28,11 +28,20 @@ SOURCE = "wgmma/flash_bwd_sm90.cu"
 #: Query rows per step for each head dim the kernel is built for (BwdTile): at 128 the two consumer
 #: groups split dQ's columns, at 64 they split its 128 rows.
 BLOCK_M = {64: 128, 128: 64}
-HEAD_DIMS = tuple(BLOCK_M)
+HEAD_DIMS = tuple(BLOCK_M)  # the kernel's; a call's head dim runs on the smallest that holds it
+#: Call head dims it runs: multiples of 8 from here up to 128 (below, most of a 64-column tile would
+#: be padding).
+MIN_HEAD_DIM = 32
 BLOCK_N = 128  # keys per CTA
 THREADS = 384
-# BwdParams (flash_bwd_sm90.cu): 4 maps, 6 pointers, 6 i64 strides, 6 ints, 2 floats.
-PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiiff")
+# BwdParams (flash_bwd_sm90.cu): 4 maps, 6 pointers, 6 i64 strides, 6 ints, 2 floats, the head dim,
+# padding to 704.
+PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiiffi60x")
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The kernel head dim a call's runs on (its tiles' columns past the call's load as zeros)."""
+    return next(d for d in HEAD_DIMS if head_dim <= d)
 
 
 def smem_bytes(head_dim: int) -> int:
@@ -111,8 +120,8 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
         return f"needs compute capability 9.0 (sm_90a), got {arch // 10}.{arch % 10}"
     if shape.dtype not in SUPPORTED_DTYPES:
         return f"needs float16 or bfloat16 inputs, got {shape.dtype}"
-    if shape.head_dim not in HEAD_DIMS:
-        return f"runs head dims {' and '.join(map(str, HEAD_DIMS))}, got {shape.head_dim}"
+    if shape.head_dim % 8 or not MIN_HEAD_DIM <= shape.head_dim <= HEAD_DIMS[-1]:
+        return f"runs head dims that are multiples of 8 from {MIN_HEAD_DIM} to {HEAD_DIMS[-1]}, got {shape.head_dim}"
     if not problem.plain or problem.features.varlen:
         return "runs plain and causal attention only (no window, softcap, ALiBi, dropout or varlen)"
     # TMA maps (q, k, v, dout), 16-byte loads (out), 8-byte stores (the conversion of dk and dv with
@@ -155,18 +164,19 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     shape = problem.shape
     b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.head_dim
     gqa = shape.kv_group > 1
-    config = config or WgmmaBwdConfig(d, bool(problem.causal), shape.dtype, gqa, deterministic, hang_check())
-    block_m = BLOCK_M[d]
+    kd = kernel_head_dim(d)
+    config = config or WgmmaBwdConfig(kd, bool(problem.causal), shape.dtype, gqa, deterministic, hang_check())
+    block_m = BLOCK_M[kd]
     m_blocks = math.ceil(sq / block_m)
     padded = m_blocks * block_m
     lse_log2, lse_log2_i = launcher.scratch((b, h, padded))
     delta, delta_i = launcher.scratch((b, h, padded))
-    rows = WgmmaBwdPassConfig("rows", d, shape.dtype)
+    rows = WgmmaBwdPassConfig("rows", kd, shape.dtype)
     launcher.launch_kernel(rows, device_id, stream, (math.ceil(padded / 32), h, b),
                            (_ptr(dout.data_ptr), _ptr(out.data_ptr), _ptr(lse.data_ptr), _ptr(lse_log2_i.data_ptr),
                             _ptr(delta_i.data_ptr), *map(_i64, dout.strides[:3]), *map(_i64, out.strides[:3]),
-                            _i32(sq), _i32(h), _i32(m_blocks)))
-    dq_acc, dq_acc_i = launcher.scratch((b, h, m_blocks, block_m * d), zero=True)  # DqFragments order
+                            _i32(sq), _i32(h), _i32(m_blocks), _i32(d)))
+    dq_acc, dq_acc_i = launcher.scratch((b, h, m_blocks, block_m * kd), zero=True)  # DqFragments order
     if config.deterministic:  # a turn counter per query block (keep_dq)
         turns, turns_i = launcher.scratch((b, h, m_blocks), np.int32, zero=True)
     else:
@@ -186,18 +196,18 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
         return (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, BLOCK_N, b, sk, hk), _map(v, v_at, BLOCK_N, b, sk, hk),
                 _map(dout, do_at, block_m, b, sq, h), lse_at, delta_at, dq_at, turns_at or 0, dk_at, dv_at,
                 dk_t.strides[0], dk_t.strides[1], dk_t.strides[2], dv_t.strides[0], dv_t.strides[1], dv_t.strides[2],
-                sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale)
+                sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale, d)
 
     arguments = launcher.StructArguments(PARAMS, (q, k, v, dout, lse_log2_i, delta_i, dq_acc_i, turns_i, dk_t, dv_t), build)
     launcher.launch_struct_kernel(config, device_id, stream, (n_blocks, h, b), arguments)
-    launcher.launch_kernel(WgmmaBwdPassConfig("dq", d, shape.dtype), device_id, stream, (m_blocks, h, b),
+    launcher.launch_kernel(WgmmaBwdPassConfig("dq", kd, shape.dtype), device_id, stream, (m_blocks, h, b),
                            (_ptr(dq_acc_i.data_ptr), _ptr(dq.data_ptr), *map(_i64, dq.strides[:3]), _i32(sq), _i32(h),
-                            _i32(m_blocks), np.float32(scale)))
+                            _i32(m_blocks), np.float32(scale), _i32(d)))
     if gqa:
         for acc, grad in ((dk_t, dk), (dv_t, dv)):
             convert_accumulator(shape.dtype, device_id, stream, acc, grad, b, sk, hk, d, shape.kv_group, 1.0)
     del lse_log2, delta, dq_acc, turns, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
 
 
-__all__ = ["HANG_CHECK_VARIABLE", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
-           "backward", "unsupported_reason"]
+__all__ = ["HANG_CHECK_VARIABLE", "MIN_HEAD_DIM", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
+           "backward", "kernel_head_dim", "unsupported_reason"]
