@@ -373,7 +373,7 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
 
 @pytest.mark.parametrize("causal, sk, sms, cyclic", [(False, 1000, 132, 1), (False, 1000, 7, 0), (True, 1000, 132, 0)])
 def test_the_deterministic_backward_gets_zeroed_turn_counters_and_its_walk(monkeypatch, causal, sk, sms, cyclic):
-    """Deterministic calls get a zeroed int32 turn counter per query block, and
+    """Deterministic calls get zeroed int32 turn counters per query block and a ticket per head, and
     non-causal ones walk cyclically only when every CTA of a head (one per key block) fits on the
     device at once (the kernel's turns wait for CTAs of any key block then)."""
     b, sq, h, d = 2, 300, 4, 128
@@ -383,7 +383,7 @@ def test_the_deterministic_backward_gets_zeroed_turn_counters_and_its_walk(monke
     m_blocks = -(-sq // 64)
     (_, (main, main_grid, packed), _) = record["launches"]
     assert main.deterministic and main_grid == (-(-sk // 128), h, b)  # 8 key blocks
-    assert record["scratch"][3] == ((b, h, m_blocks), "int32", True)
+    assert record["scratch"][3] == ((b, h, m_blocks + 1), "int32", True)  # turn counters, then a ticket
     fields = wgmma_bwd.PARAMS.unpack(packed)
     assert fields[-18] != 0 and fields[-4] == cyclic
 

@@ -30,12 +30,11 @@
 //    on different blocks; turns follow the step at which a CTA reaches the block, then n;
 //  - non-causal otherwise: ascending walks, turns by descending key block (each CTA trails the
 //    next one by the wait, but no CTA waits for one that is not running yet).
-// CTAs are dispatched from the highest key block down, so every CTA that the first turns wait for
-// starts first; the cyclic order needs every CTA of the head on the device at once, hence the flag.
-// Two assumptions, FA3's too: the GPU starts CTAs in blockIdx order, and for the cyclic order, all
-// its SMs are free to this kernel (a green context or an MPS limit with fewer SMs than the device
-// reports could leave a waited-for CTA unstarted; other kernels on the GPU only delay it). Taking
-// key blocks from a per-head atomic ticket would remove the first.
+// CTAs take their key blocks from a per-head ticket, from the highest key block down in the order
+// they start, so every CTA that the first turns wait for is already running (whatever order the
+// GPU starts CTAs in); the cyclic order needs every CTA of the head on the device at once, hence
+// the flag: it assumes all SMs are free to this kernel (a green context or an MPS limit with fewer
+// SMs than the device reports could leave a waited-for CTA unstarted; other kernels only delay it).
 //
 // Tiles per head dim (BwdTile): head dim 128 takes 64 query rows per step and the groups split dQ's
 // columns; head dim 64 takes 128 rows (wider S^T products, which read less shared memory per MMA)
@@ -49,7 +48,8 @@ struct BwdParams {
     const float* lse_log2;                  // (batch, heads, m_blocks * kBlockM): LSE * log2(e), +inf past seqlen_q
     const float* delta;                     // (batch, heads, m_blocks * kBlockM): rowsum(dO * O), 0 past seqlen_q
     float* dq_acc;                          // (batch, heads, m_blocks, DqFragments) fp32, zero at launch
-    int* dq_turns;                          // deterministic mode: (batch, heads, m_blocks) int32, zero at launch
+    int* dq_turns;                          // deterministic mode: (batch, heads, m_blocks + 1) int32, zero at
+                                            //   launch: a turn counter per query block, then the head's ticket
                                             //   (keep_dq); null otherwise
     void* dk;                               // bf16/fp16 (batch, seqlen_k, kv heads, head_dim) by its strides, or
     void* dv;                               //   with GQA fp32 (batch, seqlen_k, heads, head_dim) contiguous
@@ -360,7 +360,7 @@ CF_DEVICE void keep_dq(const BwdParams& p, u32 smem, const Barriers& bars, int n
     const int first = first_query_block<T, kCausal>(n_block, p);
     for (int it = 0; it < p.m_blocks - first; ++it) {
         const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p);
-        int* counter = kDeterministic ? p.dq_turns + blocks + m : nullptr;
+        int* counter = kDeterministic ? p.dq_turns + ((i64)batch * p.nheads + head) * (p.m_blocks + 1) + m : nullptr;
         if (kDeterministic) {
             wait_for_turn(counter, dq_turn<T, kCausal>(m, n_block, p));
             fence_proxy_async_global();  // the reduction (async proxy) after the acquire
@@ -461,10 +461,10 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_addr(smem_raw) + 1023) & ~1023u;
     const Barriers bars{smem + T::kBarriers};
-    // Deterministic mode: from the highest key block down (the top of the file).
-    const int n_block = kDeterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x, head = blockIdx.y,
-              batch = blockIdx.z;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    __shared__ int ticket;  // deterministic mode: this CTA's place among its head's, in starting order
     if (threadIdx.x == 0) {
+        if (kDeterministic) ticket = atomicAdd(p.dq_turns + ((i64)batch * p.nheads + head + 1) * (p.m_blocks + 1) - 1, 1);
         mbarrier_init(bars.kv_full(), 1);
         for (int s = 0; s < kStages; ++s) {
             mbarrier_init(bars.qdo_full(s), 1);
@@ -475,6 +475,9 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
         fence_barrier_init();
     }
     __syncthreads();
+    // Deterministic mode: key blocks from the highest down, in the order the CTAs start (the top of
+    // the file).
+    const int n_block = kDeterministic ? gridDim.x - 1 - ticket : blockIdx.x;
     const int group = threadIdx.x / 128;
     if (group == 0) {
         registers_release<kProducerRegs>();

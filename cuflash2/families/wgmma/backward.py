@@ -177,8 +177,8 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
                             _ptr(delta_i.data_ptr), *map(_i64, dout.strides[:3]), *map(_i64, out.strides[:3]),
                             _i32(sq), _i32(h), _i32(m_blocks), _i32(d)))
     dq_acc, dq_acc_i = launcher.scratch((b, h, m_blocks, block_m * kd), zero=True)  # DqFragments order
-    if config.deterministic:  # a turn counter per query block (keep_dq)
-        turns, turns_i = launcher.scratch((b, h, m_blocks), np.int32, zero=True)
+    if config.deterministic:  # a turn counter per query block (keep_dq) and a ticket per head
+        turns, turns_i = launcher.scratch((b, h, m_blocks + 1), np.int32, zero=True)  # + the head's ticket
     else:
         turns, turns_i = None, None
     if gqa:  # per query head, summed over each group by the conversion
