@@ -292,10 +292,11 @@ def test_the_backward_runs_head_dims_32_to_128_and_leaves_the_rest(monkeypatch):
     assert wgmma_bwd.unsupported_reason(90, _problem(d=64), False, grads) == ""
     for d in (32, 40, 96, 104):  # on the kernel of the next head dim up, its columns past d as zeros
         assert wgmma_bwd.unsupported_reason(90, _problem(d=d), False, grads) == ""
-    for d in (24, 100, 136, 256):
-        assert f"multiples of 8 from 32 to 128, got {d}" in wgmma_bwd.unsupported_reason(90, _problem(d=d), False,
-                                                                                         grads)
-    assert [wgmma_bwd.kernel_head_dim(d) for d in (32, 64, 72, 128)] == [64, 64, 128, 128]
+    assert wgmma_bwd.unsupported_reason(90, _problem(d=256), False, grads) == ""
+    for d in (24, 100, 136, 192, 248):
+        assert f"multiples of 8 from 32 to 128, and 256, got {d}" in wgmma_bwd.unsupported_reason(
+            90, _problem(d=d), False, grads)
+    assert [wgmma_bwd.kernel_head_dim(d) for d in (32, 64, 72, 128, 256)] == [64, 64, 128, 128, 256]
     assert "compute capability 9.0" in wgmma_bwd.unsupported_reason(80, _problem(), False, grads)
     assert "plain and causal" in wgmma_bwd.unsupported_reason(90, _problem(features=Features(softcap=5.0)), False,
                                                               grads)
@@ -338,14 +339,15 @@ def _record_backward(monkeypatch, problem, deterministic=False):
     return record
 
 
-@pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True), (96, False), (40, True)])
+@pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True), (96, False), (40, True), (256, False),
+                                    (256, True)])
 def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeypatch, d, gqa):
     """Without a GPU: the launches the Hopper backward queues (pre-pass, main kernel, dQ conversion,
     and with GQA the dK/dV sums), their grids, the scratch they get, the tensor maps' boxes and the
     parameter struct they pack, for seqlens that are not multiples of the tiles."""
     b, sq, sk, h, hk = 2, 300, 200, 4, 2 if gqa else 4
-    kd = 64 if d <= 64 else 128  # the kernel's head dim
-    block_m = {64: 128, 128: 64}[kd]  # BwdTile<kd>::kBlockM
+    kd = 64 if d <= 64 else 128 if d <= 128 else 256  # the kernel's head dim
+    block_m, block_n = {64: (128, 128), 128: (64, 128), 256: (64, 64)}[kd]  # BwdTile<kd>::kBlockM, kBlockN
     m_blocks = -(-sq // block_m)
     record = _record_backward(monkeypatch, AttentionProblem(AttentionShape(b, sq, sk, h, hk, d, "bfloat16", 0.1), True))
     scratch, maps, t = record["scratch"], record["maps"], record["tensors"]
@@ -353,16 +355,16 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
     (rows, rows_grid), (main, main_grid, packed), (dq_pass, dq_grid) = record["launches"]
     assert (rows.kernel, rows_grid) == ("rows", (-(-m_blocks * block_m // 32), h, b))
     assert (main.head_dim, main.causal, main.gqa, main.deterministic) == (kd, True, gqa, False)
-    assert main_grid == (-(-sk // wgmma_bwd.BLOCK_N), h, b)
+    assert main_grid == (-(-sk // block_n), h, b)
     assert (rows.head_dim, dq_pass.kernel, dq_pass.head_dim, dq_grid) == (kd, "dq", kd, (m_blocks, h, b))
     assert scratch[:2] == [((b, h, m_blocks * block_m), "float32", False)] * 2  # LSE_log2, D
     assert scratch[2] == ((b, h, m_blocks, block_m * kd), "float32", True)  # the dQ accumulator, zeroed
     assert len(scratch) == (5 if gqa else 3)  # + dK, dV per query head with GQA; no turn counters
     assert len(record["converts"]) == (2 if gqa else 0)
-    # Q and dO in boxes of the query block, K and V of the CTA's 128 keys; dims innermost first.
+    # Q and dO in boxes of the query block, K and V of the CTA's keys; dims innermost first.
     assert maps == [(t["q"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1)),
-                    (t["k"].data_ptr, (d, sk, hk, b), (64, 128, 1, 1)),
-                    (t["v"].data_ptr, (d, sk, hk, b), (64, 128, 1, 1)),
+                    (t["k"].data_ptr, (d, sk, hk, b), (64, block_n, 1, 1)),
+                    (t["v"].data_ptr, (d, sk, hk, b), (64, block_n, 1, 1)),
                     (t["dout"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1))]
     fields = wgmma_bwd.PARAMS.unpack(packed)  # ..., turns pointer, dk, dv, 6 i64, 6 ints, 2 floats, head dim
     assert fields[-18] == 0  # no turn counters

@@ -153,6 +153,11 @@ CF_DEVICE void st_shared_f32x4(u32 addr, float x, float y, float z, float w) {
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
 }
 CF_DEVICE void st_shared_b32(u32 addr, u32 x) { asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(x) : "memory"); }
+CF_DEVICE float4 ld_shared_f32x4(u32 addr) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+    return v;
+}
 CF_DEVICE float2 ld_shared_f32x2(u32 addr) {
     float2 v;
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");

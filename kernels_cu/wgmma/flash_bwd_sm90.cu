@@ -3,7 +3,7 @@
 // One CTA per block of 128 keys (and head, batch) walks the query blocks that see those keys
 // (kBlockM rows at a time). Warpgroup 0 is the producer: one thread loads the CTA's K and V once
 // and the Q and dO blocks into a two-stage pipeline. Each of the two consumer warpgroups owns 64 of
-// the keys and, per query block, computes
+// the keys (head dim 256: see the split tile below) and, per query block, computes
 //   S^T = K Q^T and dP^T = V dO^T                  (keys as rows: both operands in shared memory)
 //   P^T = exp2(S^T * scale_log2 - LSE_log2)         (the forward's softmax, from its LSE)
 //   dS^T = P^T * (dP^T - D),  D = rowsum(dO * O)   (both per query row from flash_bwd_rows_sm90,
@@ -40,11 +40,21 @@
 // columns; head dim 64 takes 128 rows (wider S^T products, which read less shared memory per MMA)
 // and the groups split dQ's rows. dK and dV (head_dim / 2 registers each) and S^T, dP^T
 // (kBlockM / 2 each) fill the consumers' 240 registers either way.
+//
+// Head dim 256 (kSplitColumns) cannot hold dK and dV of 64 keys in one group (256 registers), so
+// the CTA takes 64 keys and the groups split the head dim: each owns 128 columns of dK, dV and dQ.
+// Group 0 computes S^T and P^T, group 1 dP^T (m64n64 products: as much shared memory per MMA as the
+// tensor cores consume, where halves of each would read 1.5x that); group 0 hands P^T over in fp32
+// through shared memory, group 1 forms dS^T and writes it to the dS^T tile. dV takes P^T from
+// registers in both groups, dK takes dS^T from registers in group 1 and from the tile in group 0.
+// K, V, two stages of Q and dO and these tiles leave no room for a dQ staging buffer: each group
+// stages its dQ part in the Q and dO columns it has finished with (its dK and dV operands), and the
+// keeper frees the stage once the bulk reduction has read it.
 #include "common/row_dot.cuh"
 #include "wgmma/wgmma_ops.cuh"
 
 struct BwdParams {
-    TensorMap q_map, k_map, v_map, do_map;  // (head_dim, seqlen, heads, batch); Q/dO boxes {64, kBlockM}, K/V {64, 128}
+    TensorMap q_map, k_map, v_map, do_map;  // (head_dim, seqlen, heads, batch); Q/dO boxes {64, kBlockM}, K/V {64, kBlockN}
     const float* lse_log2;                  // (batch, heads, m_blocks * kBlockM): LSE * log2(e), +inf past seqlen_q
     const float* delta;                     // (batch, heads, m_blocks * kBlockM): rowsum(dO * O), 0 past seqlen_q
     float* dq_acc;                          // (batch, heads, m_blocks, DqFragments) fp32, zero at launch
@@ -66,7 +76,6 @@ static_assert(sizeof(BwdParams) == 704, "BwdParams: host layout (4 maps, 6 point
 
 namespace bwd {
 
-constexpr int kBlockN = 128;  // keys per CTA: 64 per consumer warpgroup
 constexpr int kStages = 2;
 constexpr int kThreads = 384;
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
@@ -75,48 +84,67 @@ static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * (65536 / kThreads / 8 * 8
 constexpr int kDqWarpBytes = 16 * 64 * 4;  // a warp's dQ part: 16 query rows x 64 columns, fp32
 
 // Tiles are stored as 64-column panels (128-byte rows, 128-byte swizzle): K, V, Q and dO have
-// head_dim / 64 of them, the dS^T tile (128 key rows) kBlockM / 64.
+// head_dim / 64 of them, the dS^T tile (kBlockN key rows) kBlockM / 64.
 template <int kHeadDim_>
 struct BwdTile {
     static constexpr int kHeadDim = kHeadDim_;
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "the Hopper backward runs head dims 64 and 128");
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "the Hopper backward runs head dims 64, 128, 256");
+    static constexpr bool kSplitColumns = kHeadDim == 256;  // the groups split the head dim (top of the file)
+    static constexpr int kBlockN = kSplitColumns ? 64 : 128;  // keys per CTA (64 per group unless split)
     static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // query rows per step
     static constexpr int kPanels = kHeadDim / 64, kQueryPanels = kBlockM / 64;
-    static_assert(kPanels * kQueryPanels == 2, "dQ (kBlockM x head_dim) splits into one 64 x 64 part per group");
-    // Consumer group g computes dQ's query panel query_panel(g) x column panel column_panel(g).
+    static constexpr int kGroupColumns = kSplitColumns ? kHeadDim / 2 : kHeadDim;  // of dK and dV per group
+    static_assert(kSplitColumns || kPanels * kQueryPanels == 2, "dQ (kBlockM x head_dim) splits into one 64 x 64 part per group");
+    // Consumer group g computes dQ's query panel query_panel(g) x column panels column_panel(g) ..
+    // + kGroupColumns / 64 - 1 (split: 128 columns each).
     CF_DEVICE static int query_panel(int group) { return kQueryPanels > 1 ? group : 0; }
-    CF_DEVICE static int column_panel(int group) { return kPanels > 1 ? group : 0; }
+    CF_DEVICE static int column_panel(int group) { return kSplitColumns ? 2 * group : kPanels > 1 ? group : 0; }
 
-    // Shared memory (1024-byte aligned pieces).
+    // Shared memory (1024-byte aligned pieces). A stage holds Q then dO (split: adjacent, so that
+    // the dQ parts staged over them are one 64 KB block).
     static constexpr int kKVBytes = kBlockN * 128 * kPanels;  // K or V
     static constexpr int kQBytes = kBlockM * 128 * kPanels;   // per stage: Q or dO
     static constexpr int kDsBytes = kBlockN * 128 * kQueryPanels;
+    static constexpr int kDsTiles = kSplitColumns ? 1 : 2;    // split: group 1 alone writes it
+    static constexpr int kExchangeBytes = kSplitColumns ? kBlockN * kBlockM * 4 : 0;  // P^T in fp32
     static constexpr int kRowBytes = kBlockM * 4;             // LSE_log2 or D of a query block
-    static constexpr int kDqBytes = 8 * kDqWarpBytes;         // the 8 consumer warps' staging buffers
-    static constexpr int kK = 0, kV = kK + kKVBytes, kQ = kV + kKVBytes, kDO = kQ + kStages * kQBytes,
-                         kDs = kDO + kStages * kQBytes, kDq = kDs + 2 * kDsBytes, kLse = kDq + kDqBytes,
+    static constexpr int kDqBytes = kBlockM * kHeadDim * 4;   // dQ of a query block, fp32
+    static constexpr int kStagingBytes = kSplitColumns ? 0 : kDqBytes;  // split: staged in the Q/dO stage
+    static_assert(!kSplitColumns || kDqBytes == 2 * kQBytes, "split: dQ is staged over a stage's Q and dO");
+    static constexpr int kQStride = kSplitColumns ? 2 * kQBytes : kQBytes;  // from one stage's Q to the next
+    static constexpr int kK = 0, kV = kK + kKVBytes, kQ = kV + kKVBytes,
+                         kDO = kSplitColumns ? kQ + kQBytes : kQ + kStages * kQBytes,
+                         kDs = kQ + 2 * kStages * kQBytes, kExchange = kDs + kDsTiles * kDsBytes,
+                         kDq = kExchange + kExchangeBytes, kLse = kDq + kStagingBytes,
                          kDelta = kLse + kStages * kRowBytes, kBarriers = kDelta + kStages * kRowBytes;
     static constexpr int kSmemBytes = kBarriers + 64 + 1024;  // + the alignment slack of the base
     static_assert(kSmemBytes <= 227 * 1024, "shared memory: the tiles exceed 227 KB");
+    CF_DEVICE static u32 q_tile(u32 smem, int stage) { return smem + kQ + stage * kQStride; }
+    CF_DEVICE static u32 do_tile(u32 smem, int stage) { return smem + kDO + stage * kQStride; }
+    // Where the consumers stage a query block's dQ (the keeper adds these kDqBytes in one reduction).
+    CF_DEVICE static u32 dq_staging(u32 smem, int stage) { return kSplitColumns ? q_tile(smem, stage) : smem + kDq; }
 };
 
-enum : int { kDsBarrier = 1 };  // named barrier: both consumer groups' dS^T are in shared memory
+// Named barriers: both consumer groups' dS^T are in shared memory; split: P^T handed over (kPBarrier).
+enum : int { kDsBarrier = 1, kPBarrier = 2 };
 
 struct Barriers {
     u32 base;
     CF_DEVICE u32 kv_full() const { return base; }
     CF_DEVICE u32 qdo_full(int stage) const { return base + 8 + 8 * stage; }
     CF_DEVICE u32 qdo_empty(int stage) const { return base + 8 + 8 * (kStages + stage); }
-    // The consumer warps' dQ staged, and the staging buffers free again (keep_dq).
-    CF_DEVICE u32 dq_staged() const { return base + 8 + 16 * kStages; }
-    CF_DEVICE u32 dq_free() const { return base + 16 + 16 * kStages; }
+    // The consumer warps' dQ staged (per stage where it is staged in the stage), and the staging
+    // buffers free again (keep_dq).
+    CF_DEVICE u32 dq_staged(int slot) const { return base + 8 + 16 * kStages + 8 * slot; }
+    CF_DEVICE u32 dq_free() const { return base + 8 + 24 * kStages; }
 };
+static_assert(8 + 24 * kStages + 8 <= 64, "Barriers: 64 bytes");
 
 // Query blocks that see some key of key block n_block: [first, m_blocks).
 template <class T, bool kCausal>
 CF_DEVICE int first_query_block(int n_block, const BwdParams& p) {
     if (!kCausal) return 0;
-    const int first_row = n_block * kBlockN - (p.seqlen_k - p.seqlen_q);  // the first row that sees the first key
+    const int first_row = n_block * T::kBlockN - (p.seqlen_k - p.seqlen_q);  // the first row that sees the first key
     return first_row <= 0 ? 0 : first_row / T::kBlockM;
 }
 
@@ -135,11 +163,11 @@ CF_DEVICE int count_below(int lo, int hi, int bound) { return max(0, min(hi, bou
 // m, in the order of the top of the file).
 template <class T, bool kCausal>
 CF_DEVICE int dq_turn(int m, int n, const BwdParams& p) {
-    const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    const int n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
     if (kCausal) {
         // Key block j visits m iff its first query row j * kBlockN + seqlen_q - seqlen_k < (m + 1) kBlockM.
         const int bound = (m + 1) * T::kBlockM + p.seqlen_k - p.seqlen_q;  // > n * kBlockN: n visits m
-        return min(n_blocks - 1, (bound - 1) / kBlockN) - n;
+        return min(n_blocks - 1, (bound - 1) / T::kBlockN) - n;
     }
     if (!p.dq_turn_cyclic) return n_blocks - 1 - n;
     // Key block j reaches m at step (m - j) mod M. Count the CTAs that reach m at an earlier step,
@@ -154,18 +182,31 @@ CF_DEVICE int dq_turn(int m, int n, const BwdParams& p) {
     return step * rounds + with_extra + n / M;
 }
 
-// dQ accumulator layout: per (batch, head, query block) the 8 consumer warps' parts, 1024 floats each
-// (warp w of group g: query rows 64 query_panel(g) + 16 w .. + 15 of the block, columns
-// 64 column_panel(g) .. + 63), each in the warp's fragment order, so that a warp stages it with
-// conflict-free 16-byte stores and adds it with one bulk reduction: float4 c * 32 + lane of a part
-// holds the lane's accumulator registers 4c .. 4c + 3 (the wgmma layout below: rows lane/4 and
-// lane/4 + 8, columns 8c + 2 (lane%4) + {0, 1}).
+// dQ accumulator layout: per (batch, head, query block) parts of 16 query rows x 64 columns, 1024
+// floats each, one per consumer warp and 64 of its columns (warp w of group g: query rows
+// 64 query_panel(g) + 16 w .. + 15 of the block, columns 64 column_panel(g) + 64 h .. + 63 for its
+// h-th 64 columns), each in the warp's fragment order, so that a warp stages it with conflict-free
+// 16-byte stores and the keeper adds the block with one bulk reduction: float4 c * 32 + lane of a
+// part holds the lane's accumulator registers 32h + 4c .. + 3 (the wgmma layout below: rows lane/4
+// and lane/4 + 8, columns 8c + 2 (lane%4) + {0, 1}).
 template <class T>
 struct DqFragments {
     static constexpr int kFloats = T::kBlockM * T::kHeadDim;  // per query block
-    static_assert(kFloats * 4 == T::kDqBytes, "dQ of a query block: one part per consumer warp");
-    // Float offset of warp `warp` of group `group`'s part within a query block.
-    CF_DEVICE static int part(int group, int warp) { return (group * 4 + warp) * (kDqWarpBytes / 4); }
+    static constexpr int kWarpParts = T::kSplitColumns ? 2 : 1;
+    static_assert(kFloats * 4 == 8 * kWarpParts * kDqWarpBytes, "dQ of a query block: the consumer warps' parts");
+    // Index of part h of warp `warp` of group `group` within a query block. Split: group g stages
+    // over its own columns of the stage's Q (parts 4g .. 4g + 3, warps 0 and 1) and dO (8 + 4g ..,
+    // warps 2 and 3), the 64-column panels its dK and dV read.
+    CF_DEVICE static int part(int group, int warp, int h) {
+        return T::kSplitColumns ? (warp / 2) * 8 + 4 * group + 2 * (warp % 2) + h : group * 4 + warp;
+    }
+    // The first query row and column of part `part` (the inverse, for the conversion).
+    CF_DEVICE static int first_row(int part) {
+        return T::kSplitColumns ? 16 * (2 * (part / 8) + part % 4 / 2) : 64 * T::query_panel(part / 4) + 16 * (part % 4);
+    }
+    CF_DEVICE static int first_column(int part) {
+        return T::kSplitColumns ? 128 * (part % 8 / 4) + 64 * (part % 2) : 64 * T::column_panel(part / 4);
+    }
 };
 
 // ---- producer ------------------------------------------------------------------------------------
@@ -180,10 +221,10 @@ CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n
     mbarrier_arrive_expect_bytes(bars.kv_full(), 2 * T::kKVBytes);
 #pragma unroll
     for (int panel = 0; panel < T::kPanels; ++panel) {
-        tma_load_4d(smem + T::kK + panel * kBlockN * 128, &p.k_map, bars.kv_full(), panel * 64, n_block * kBlockN,
-                    kv_head, batch, kv_policy);
-        tma_load_4d(smem + T::kV + panel * kBlockN * 128, &p.v_map, bars.kv_full(), panel * 64, n_block * kBlockN,
-                    kv_head, batch, kv_policy);
+        tma_load_4d(smem + T::kK + panel * T::kBlockN * 128, &p.k_map, bars.kv_full(), panel * 64,
+                    n_block * T::kBlockN, kv_head, batch, kv_policy);
+        tma_load_4d(smem + T::kV + panel * T::kBlockN * 128, &p.v_map, bars.kv_full(), panel * 64,
+                    n_block * T::kBlockN, kv_head, batch, kv_policy);
     }
     const int first = first_query_block<T, kCausal>(n_block, p);
     for (int it = 0; it < p.m_blocks - first; ++it) {
@@ -195,47 +236,60 @@ CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n
         bulk_load(smem + T::kDelta + stage * T::kRowBytes, p.delta + rows, T::kRowBytes, bars.qdo_full(stage));
 #pragma unroll
         for (int panel = 0; panel < T::kPanels; ++panel) {
-            const u32 at = stage * T::kQBytes + panel * T::kBlockM * 128;
-            tma_load_4d(smem + T::kQ + at, &p.q_map, bars.qdo_full(stage), panel * 64, m * T::kBlockM, head, batch,
-                        kEvictLast);
-            tma_load_4d(smem + T::kDO + at, &p.do_map, bars.qdo_full(stage), panel * 64, m * T::kBlockM, head, batch,
-                        kEvictLast);
+            const u32 at = panel * T::kBlockM * 128;
+            tma_load_4d(T::q_tile(smem, stage) + at, &p.q_map, bars.qdo_full(stage), panel * 64, m * T::kBlockM, head,
+                        batch, kEvictLast);
+            tma_load_4d(T::do_tile(smem, stage) + at, &p.do_map, bars.qdo_full(stage), panel * 64, m * T::kBlockM, head,
+                        batch, kEvictLast);
         }
     }
 }
 
 // ---- consumer: the GEMMs -------------------------------------------------------------------------
-// X^T = A_g B^T for this group's 64 keys (A: K or V, 128 key rows) against the kBlockM query rows of
-// a Q or dO stage (B), both K-major: 16 head-dim columns per wgmma.
+// X^T = A_g B^T for this group's 64 keys (A: K or V, kBlockN key rows) against the kBlockM query rows
+// of a Q or dO stage (B), both K-major: 16 head-dim columns per wgmma.
 template <class T, bool kBf16>
 CF_DEVICE void issue_transposed_scores(float (&acc)[T::kBlockM / 2], u32 keys, u32 queries) {
     const u64 a_desc = smem_descriptor(keys, 16, 1024), b_desc = smem_descriptor(queries, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
-        const u32 a = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+        const u32 a = (kk / 4) * T::kBlockN * 128 + (kk % 4) * 32;
         const u32 b = (kk / 4) * T::kBlockM * 128 + (kk % 4) * 32;
         Wgmma<T::kBlockM, kBf16>::template ss<0, 0>(acc, a_desc + (a >> 4), b_desc + (b >> 4), kk > 0);
     }
 }
 
-// acc (64 keys x head_dim) += X^T Y: X^T from registers (16 query rows per wgmma), Y a Q or dO stage
-// MN-major (its 64-column panels kBlockM * 128 bytes apart).
+// acc (64 keys x the group's kGroupColumns) += X^T Y: X^T from registers (16 query rows per wgmma),
+// Y the group's columns of a Q or dO stage, MN-major (its 64-column panels kBlockM * 128 bytes apart).
 template <class T, bool kBf16>
-CF_DEVICE void issue_key_gradient(float (&acc)[T::kHeadDim / 2], const u32 (&xa)[T::kBlockM / 16][4], u32 rows) {
+CF_DEVICE void issue_key_gradient(float (&acc)[T::kGroupColumns / 2], const u32 (&xa)[T::kBlockM / 16][4], u32 rows) {
     const u64 desc = smem_descriptor(rows, T::kBlockM * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < T::kBlockM / 16; ++kk)
-        Wgmma<T::kHeadDim, kBf16>::template rs<1>(acc, xa[kk], desc + kk * (2048 >> 4), 1);
+        Wgmma<T::kGroupColumns, kBf16>::template rs<1>(acc, xa[kk], desc + kk * (2048 >> 4), 1);
 }
 
-// The group's 64 x 64 part of dQ = dS K: dS from a 64-query panel of the dS^T tile (MN-major A: the
-// query index runs along its rows), a 64-column panel of K MN-major; 16 keys per wgmma.
-template <bool kBf16>
-CF_DEVICE void issue_query_gradient(float (&acc)[32], u32 ds_panel, u32 k_panel) {
-    const u64 a_desc = smem_descriptor(ds_panel, kBlockN * 128, 1024), b_desc = smem_descriptor(k_panel, kBlockN * 128, 1024);
+// The same with X^T from the dS^T tile (K-major A: 64 key rows, the query index along them), for
+// the split tile's group 0, whose dS^T group 1 computed.
+template <class T, bool kBf16>
+CF_DEVICE void issue_key_gradient_from_tile(float (&acc)[T::kGroupColumns / 2], u32 x_tile, u32 rows) {
+    static_assert(T::kQueryPanels == 1, "one 64-query panel of X^T");
+    const u64 a_desc = smem_descriptor(x_tile, 16, 1024), b_desc = smem_descriptor(rows, T::kBlockM * 128, 1024);
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-        Wgmma<64, kBf16>::template ss<1, 1>(acc, a_desc + kk * (2048 >> 4), b_desc + kk * (2048 >> 4), kk > 0);
+    for (int kk = 0; kk < T::kBlockM / 16; ++kk)
+        Wgmma<T::kGroupColumns, kBf16>::template ss<0, 1>(acc, a_desc + ((kk * 32) >> 4), b_desc + kk * (2048 >> 4), 1);
+}
+
+// The group's part of dQ = dS K (64 query rows x kN columns): dS from a 64-query panel of the dS^T
+// tile (MN-major A: the query index runs along its rows), kN / 64 column panels of K MN-major; 16
+// keys per wgmma.
+template <class T, int kN, bool kBf16>
+CF_DEVICE void issue_query_gradient(float (&acc)[kN / 2], u32 ds_panel, u32 k_panel) {
+    const u64 a_desc = smem_descriptor(ds_panel, T::kBlockN * 128, 1024),
+              b_desc = smem_descriptor(k_panel, T::kBlockN * 128, 1024);
+#pragma unroll
+    for (int kk = 0; kk < T::kBlockN / 16; ++kk)
+        Wgmma<kN, kBf16>::template ss<1, 1>(acc, a_desc + kk * (2048 >> 4), b_desc + kk * (2048 >> 4), kk > 0);
 }
 
 // ---- consumer: the elementwise part --------------------------------------------------------------
@@ -245,7 +299,7 @@ CF_DEVICE void issue_query_gradient(float (&acc)[32], u32 ds_panel, u32 k_panel)
 // or (causal) keys right of a query's diagonal. The others skip the per-element test.
 template <class T, bool kCausal>
 CF_DEVICE bool block_needs_mask(int m_block, int n_block, const BwdParams& p) {
-    const int last_key = n_block * kBlockN + kBlockN - 1;
+    const int last_key = n_block * T::kBlockN + T::kBlockN - 1;
     return last_key >= p.seqlen_k || (kCausal && last_key > m_block * T::kBlockM + p.seqlen_k - p.seqlen_q);
 }
 
@@ -292,8 +346,8 @@ CF_DEVICE void pack_operand(const float (&x)[8 * kSteps], u32 (&xa)[kSteps][4]) 
         for (int i = 0; i < 4; ++i) xa[kk][i] = Element16<kBf16>::pack(x[8 * kk + 2 * i], x[8 * kk + 2 * i + 1]);
 }
 
-// This thread's dS^T values into the dS^T tile (row = key within the CTA's 128; query column q in
-// 128-byte swizzled panel q / 64), as the dQ product reads it.
+// This thread's dS^T values into the dS^T tile (row = key within the CTA's kBlockN; query column q
+// in 128-byte swizzled panel q / 64), as the dQ product reads it.
 template <class T>
 CF_DEVICE void store_score_gradients(u32 ds_tile, const u32 (&dsa)[T::kBlockM / 16][4], int key_row0, int lane) {
 #pragma unroll
@@ -303,7 +357,8 @@ CF_DEVICE void store_score_gradients(u32 ds_tile, const u32 (&dsa)[T::kBlockM / 
         for (int j = 0; j < T::kBlockM / 8; ++j) {
             // Columns 8j + 2 (lane%4) + {0, 1} of row r: packed pair i = 2 (j%2) + r of k-step j/2.
             const u32 value = dsa[j / 2][2 * (j % 2) + r];
-            const u32 addr = ds_tile + (j / 8) * kBlockN * 128 + row * 128 + (((j % 8) ^ (row % 8)) * 16) + (lane % 4) * 4;
+            const u32 addr = ds_tile + (j / 8) * T::kBlockN * 128 + row * 128 + (((j % 8) ^ (row % 8)) * 16) +
+                             (lane % 4) * 4;
             st_shared_b32(addr, value);
         }
     }
@@ -319,21 +374,40 @@ CF_DEVICE void stage_query_gradient(const float (&dq)[32], u32 staging, int lane
         st_shared_f32x4(staging + (c * 32 + lane) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
     fence_proxy_async_smem();  // the stores, before the copy engine reads them
     __syncwarp();
-    if (lane == 0) mbarrier_arrive(bars.dq_staged());
+    if (lane == 0) mbarrier_arrive(bars.dq_staged(0));
 }
 
-// This thread's two rows of dK or dV: 16-bit pairs into the gradient, or fp32 pairs into the
-// per-query-head accumulator (GQA); columns up to the call's head dim.
+// The split tile's version: the warp's two parts over the stage's Q and dO columns its group has
+// finished with (DqFragments::part); the stage is this step's, so no wait for it to be free.
+template <class T>
+CF_DEVICE void stage_query_gradient_in_stage(const float (&dq)[64], u32 smem, int stage, int group, int warp, int lane,
+                                             const Barriers& bars) {
+    const u32 staging = T::dq_staging(smem, stage);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 part = staging + DqFragments<T>::part(group, warp, h) * kDqWarpBytes;
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+            st_shared_f32x4(part + (c * 32 + lane) * 16, dq[32 * h + 4 * c], dq[32 * h + 4 * c + 1],
+                            dq[32 * h + 4 * c + 2], dq[32 * h + 4 * c + 3]);
+    }
+    fence_proxy_async_smem();  // the stores, before the copy engine reads them
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(bars.dq_staged(stage));
+}
+
+// This thread's two rows of dK or dV (the group's columns from col0): 16-bit pairs into the
+// gradient, or fp32 pairs into the per-query-head accumulator (GQA); columns up to the call's head dim.
 template <class T, bool kBf16, bool kGqa>
-CF_DEVICE void store_key_gradient(const float (&acc)[T::kHeadDim / 2], float scale, void* base, i64 batch_stride,
-                                  i64 row_stride, i64 head_stride, const int (&key)[2], int head, int batch, int lane,
-                                  const BwdParams& p) {
+CF_DEVICE void store_key_gradient(const float (&acc)[T::kGroupColumns / 2], float scale, void* base, i64 batch_stride,
+                                  i64 row_stride, i64 head_stride, const int (&key)[2], int col0, int head, int batch,
+                                  int lane, const BwdParams& p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (key[r] >= p.seqlen_k) continue;
 #pragma unroll
-        for (int j = 0; j < T::kHeadDim / 8; ++j) {
-            const int col = 8 * j + 2 * (lane % 4);
+        for (int j = 0; j < T::kGroupColumns / 8; ++j) {
+            const int col = col0 + 8 * j + 2 * (lane % 4);
             if (col >= p.head_dim) continue;
             const float lo = acc[4 * j + 2 * r] * scale, hi = acc[4 * j + 2 * r + 1] * scale;
             if constexpr (kGqa) {
@@ -365,11 +439,16 @@ CF_DEVICE void keep_dq(const BwdParams& p, u32 smem, const Barriers& bars, int n
             wait_for_turn(counter, dq_turn<T, kCausal>(m, n_block, p));
             fence_proxy_async_global();  // the reduction (async proxy) after the acquire
         }
-        mbarrier_wait(bars.dq_staged(), it & 1);
-        bulk_reduce_add_f32(p.dq_acc + (blocks + m) * DqFragments<T>::kFloats, smem + T::kDq, T::kDqBytes);
+        const int stage = it % kStages;
+        if constexpr (T::kSplitColumns)  // staged in the stage: one barrier per stage
+            mbarrier_wait(bars.dq_staged(stage), (it / kStages) & 1);
+        else
+            mbarrier_wait(bars.dq_staged(0), it & 1);
+        bulk_reduce_add_f32(p.dq_acc + (blocks + m) * DqFragments<T>::kFloats, T::dq_staging(smem, stage), T::kDqBytes);
         bulk_commit();
         bulk_wait_read<0>();
-        mbarrier_arrive(bars.dq_free());
+        // Split: the staging was the stage's Q and dO, which go back to the producer now.
+        mbarrier_arrive(T::kSplitColumns ? bars.qdo_empty(stage) : bars.dq_free());
         if (kDeterministic) {
             bulk_wait_all();
             fence_proxy_async_global();  // the completed reduction before the release
@@ -385,9 +464,9 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
     constexpr int kM = T::kBlockM, kD = T::kHeadDim;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int key_row0 = group * 64 + 16 * warp + lane / 4;  // within the CTA's keys
-    const int key[2] = {n_block * kBlockN + key_row0, n_block * kBlockN + key_row0 + 8};
+    const int key[2] = {n_block * T::kBlockN + key_row0, n_block * T::kBlockN + key_row0 + 8};
     const u32 k_rows = smem + T::kK + group * 64 * 128, v_rows = smem + T::kV + group * 64 * 128;
-    const u32 dq_staging = smem + T::kDq + DqFragments<T>::part(group, warp) * 4;
+    const u32 dq_staging = smem + T::kDq + DqFragments<T>::part(group, warp, 0) * kDqWarpBytes;
     float dv[kD / 2], dk[kD / 2];
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) dv[i] = dk[i] = 0.f;
@@ -395,7 +474,7 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
     const int first = first_query_block<T, kCausal>(n_block, p);
     for (int it = 0; it < p.m_blocks - first; ++it) {
         const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p), stage = it % kStages;
-        const u32 q_tile = smem + T::kQ + stage * T::kQBytes, do_tile = smem + T::kDO + stage * T::kQBytes;
+        const u32 q_tile = T::q_tile(smem, stage), do_tile = T::do_tile(smem, stage);
         const u32 ds_tile = smem + T::kDs + (it % 2) * T::kDsBytes;
         const u32 lse_rows = smem + T::kLse + stage * T::kRowBytes;
         float s[kM / 2], dp[kM / 2];
@@ -439,17 +518,129 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         if (lane == 0) mbarrier_arrive(bars.qdo_empty(stage));
         float dq[32];
         wgmma_fence();
-        issue_query_gradient<kBf16>(dq, ds_tile + T::query_panel(group) * kBlockN * 128,
-                                    smem + T::kK + T::column_panel(group) * kBlockN * 128);
+        issue_query_gradient<T, 64, kBf16>(dq, ds_tile + T::query_panel(group) * T::kBlockN * 128,
+                                           smem + T::kK + T::column_panel(group) * T::kBlockN * 128);
         wgmma_commit();
         wgmma_wait<0>();
         register_fence(dq);
         stage_query_gradient(dq, dq_staging, lane, bars, it);
     }
     store_key_gradient<T, kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride,
-                                       p.dk_head_stride, key, head, batch, lane, p);
-    store_key_gradient<T, kBf16, kGqa>(dv, 1.f, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, key,
+                                       p.dk_head_stride, key, 0, head, batch, lane, p);
+    store_key_gradient<T, kBf16, kGqa>(dv, 1.f, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, key, 0,
                                        head, batch, lane, p);
+}
+
+// P^T in fp32 from group 0 to group 1 (split tile): thread t of one group holds the same elements as
+// thread t of the other (same accumulator layout), at float4 c * 128 + t (conflict-free).
+template <int kN>
+CF_DEVICE void hand_over(const float (&x)[kN], u32 exchange, int tid) {
+#pragma unroll
+    for (int c = 0; c < kN / 4; ++c)
+        st_shared_f32x4(exchange + (c * 128 + tid) * 16, x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
+}
+template <int kN>
+CF_DEVICE void take_over(float (&x)[kN], u32 exchange, int tid) {
+#pragma unroll
+    for (int c = 0; c < kN / 4; ++c) {
+        const float4 v = ld_shared_f32x4(exchange + (c * 128 + tid) * 16);
+        x[4 * c] = v.x, x[4 * c + 1] = v.y, x[4 * c + 2] = v.z, x[4 * c + 3] = v.w;
+    }
+}
+
+// The split tile's consumer (head dim 256, top of the file): both groups hold the CTA's 64 keys and
+// kGroup's 128 columns of dK, dV and dQ; group 0 computes S^T and P^T, group 1 dP^T and dS^T. One
+// instantiation per group: wgmmas in flight across a branch on the group made ptxas serialise them.
+template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, int kGroup>
+CF_DEVICE void consume_split(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch) {
+    constexpr int group = kGroup;
+    constexpr int kM = T::kBlockM, kC = T::kGroupColumns;
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int key_row0 = 16 * warp + lane / 4;
+    const int key[2] = {n_block * T::kBlockN + key_row0, n_block * T::kBlockN + key_row0 + 8};
+    const u32 ds_tile = smem + T::kDs, exchange = smem + T::kExchange;
+    const u32 column_offset = T::column_panel(group) * kM * 128;  // the group's panels within Q and dO
+    float dv[kC / 2], dk[kC / 2];
+#pragma unroll
+    for (int i = 0; i < kC / 2; ++i) dv[i] = dk[i] = 0.f;
+    mbarrier_wait(bars.kv_full(), 0);
+    const int first = first_query_block<T, kCausal>(n_block, p);
+    for (int it = 0; it < p.m_blocks - first; ++it) {
+        const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p), stage = it % kStages;
+        const u32 q_tile = T::q_tile(smem, stage), do_tile = T::do_tile(smem, stage);
+        float x[kM / 2];  // group 0: S^T, then P^T; group 1: dP^T, then dS^T
+        u32 pa[kM / 16][4];
+        mbarrier_wait(bars.qdo_full(stage), (it / kStages) & 1);
+        wgmma_fence();
+        issue_transposed_scores<T, kBf16>(x, smem + (group == 0 ? T::kK : T::kV), group == 0 ? q_tile : do_tile);
+        wgmma_commit();
+        wgmma_wait<0>();
+        register_fence(x);
+        if constexpr (group == 0) {
+            if (block_needs_mask<T, kCausal>(m, n_block, p))
+                probabilities<T, kCausal, true>(x, key, m * kM, lane, p, smem + T::kLse + stage * T::kRowBytes);
+            else
+                probabilities<T, kCausal, false>(x, key, m * kM, lane, p, smem + T::kLse + stage * T::kRowBytes);
+            hand_over(x, exchange, tid);
+            named_barrier_sync_across_paths<kPBarrier, 256>();
+            pack_operand<kBf16>(x, pa);
+            register_fence(dv);
+            register_fence(pa);
+            wgmma_fence();
+            issue_key_gradient<T, kBf16>(dv, pa, do_tile + column_offset);
+            wgmma_commit();
+            named_barrier_sync_across_paths<kDsBarrier, 256>();  // dS^T in its tile
+            mbarrier_arrive(bars.qdo_empty(stage));  // its LSE rows are read (see group 1's)
+            issue_key_gradient_from_tile<T, kBf16>(dk, ds_tile, q_tile + column_offset);
+            wgmma_commit();
+        } else {
+            // dS^T is formed before dV and dK are issued: issuing dV first, to run while dS^T is
+            // formed, measured no faster (0.98-1.01x) and spilled with GQA in deterministic mode.
+            float prob[kM / 2];
+            named_barrier_sync_across_paths<kPBarrier, 256>();
+            take_over(prob, exchange, tid);
+            score_gradients<T>(x, prob, lane, smem + T::kDelta + stage * T::kRowBytes);
+            u32 dsa[kM / 16][4];
+            pack_operand<kBf16>(prob, pa);
+            pack_operand<kBf16>(x, dsa);
+            store_score_gradients<T>(ds_tile, dsa, key_row0, lane);
+            fence_proxy_async_smem();  // the dS^T stores, before the async proxy (wgmma) reads them
+            named_barrier_sync_across_paths<kDsBarrier, 256>();
+            register_fence(dv);
+            register_fence(dk);
+            register_fence(pa);
+            register_fence(dsa);
+            wgmma_fence();
+            issue_key_gradient<T, kBf16>(dv, pa, do_tile + column_offset);
+            issue_key_gradient<T, kBf16>(dk, dsa, q_tile + column_offset);
+            wgmma_commit();
+            // Its D rows are read. Every consumer thread releases the stage itself after its own
+            // reads (racecheck does not order one lane's reads before another lane's arrive); the
+            // producer also waits for the keeper, which arrives once the dQ staged over the stage
+            // has been read.
+            mbarrier_arrive(bars.qdo_empty(stage));
+        }
+        // dV and dK complete before dQ starts (their A operands free, so that dV, dK and dQ fit the
+        // registers together).
+        wgmma_wait<0>();
+        register_fence(dv);
+        register_fence(dk);
+        register_fence(pa);
+        float dq[kC / 2];
+        wgmma_fence();
+        issue_query_gradient<T, kC, kBf16>(dq, ds_tile, smem + T::kK + T::column_panel(group) * T::kBlockN * 128);
+        wgmma_commit();
+        wgmma_wait<0>();
+        register_fence(dq);
+        // Over the stage's columns this group's dK and dV read (the other group's S^T or dP^T, which
+        // read all of them, completed before the barriers above).
+        stage_query_gradient_in_stage<T>(dq, smem, stage, group, warp, lane, bars);
+    }
+    const int col0 = T::column_panel(group) * 64;
+    store_key_gradient<T, kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride,
+                                       p.dk_head_stride, key, col0, head, batch, lane, p);
+    store_key_gradient<T, kBf16, kGqa>(dv, 1.f, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, key,
+                                       col0, head, batch, lane, p);
 }
 
 }  // namespace bwd
@@ -468,9 +659,11 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
         mbarrier_init(bars.kv_full(), 1);
         for (int s = 0; s < kStages; ++s) {
             mbarrier_init(bars.qdo_full(s), 1);
-            mbarrier_init(bars.qdo_empty(s), 8);  // one arrival per consumer warp
+            // One arrival per consumer warp; split: one per consumer thread, and the keeper's once
+            // the dQ staged there is read.
+            mbarrier_init(bars.qdo_empty(s), T::kSplitColumns ? 257 : 8);
+            mbarrier_init(bars.dq_staged(s), 8);  // one arrival per consumer warp
         }
-        mbarrier_init(bars.dq_staged(), 8);  // one arrival per consumer warp
         mbarrier_init(bars.dq_free(), 1);
         fence_barrier_init();
     }
@@ -485,7 +678,13 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
         if (threadIdx.x == 32) keep_dq<T, kCausal, kDeterministic>(p, smem, bars, n_block, head, batch);
     } else {
         registers_claim<kConsumerRegs>();
-        consume<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group - 1, n_block, head, batch);
+        if constexpr (T::kSplitColumns) {
+            if (group == 1)
+                consume_split<T, kCausal, kBf16, kGqa, kDeterministic, 0>(p, smem, bars, n_block, head, batch);
+            else
+                consume_split<T, kCausal, kBf16, kGqa, kDeterministic, 1>(p, smem, bars, n_block, head, batch);
+        } else
+            consume<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group - 1, n_block, head, batch);
     }
 }
 
@@ -535,7 +734,7 @@ __global__ void __launch_bounds__(256)
     const bool wide = ((reinterpret_cast<u64>(out) | (u64)row_stride * 2) & 15) == 0;
 #pragma unroll
     for (int i = 0; i < kCells / 256; ++i) {
-        const int cell = i * 256 + threadIdx.x, part = cell / 64, r = cell / 8 % 8, c = cell % 8, group = part / 4;
+        const int cell = i * 256 + threadIdx.x, part = cell / 64, r = cell / 8 % 8, c = cell % 8;
         float4 v[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) v[q] = block[part * 256 + c * 32 + 4 * r + q];
@@ -545,8 +744,8 @@ __global__ void __launch_bounds__(256)
             upper[q] = E::pack(v[q].x * scale, v[q].y * scale);
             lower[q] = E::pack(v[q].z * scale, v[q].w * scale);
         }
-        const int row = m * T::kBlockM + 64 * T::query_panel(group) + 16 * (part % 4) + r;
-        const int col = 64 * T::column_panel(group) + 8 * c;
+        const int row = m * T::kBlockM + DqFragments<T>::first_row(part) + r;
+        const int col = DqFragments<T>::first_column(part) + 8 * c;
         if (col >= head_dim) continue;  // head_dim is a multiple of 8: a cell is in or out
         const u32* rows[2] = {upper, lower};
 #pragma unroll

@@ -155,5 +155,12 @@ CF_DEVICE void registers_claim() { asm volatile("setmaxnreg.inc.sync.aligned.u32
 
 template <int kId, int kThreads>
 CF_DEVICE void named_barrier_sync() { asm volatile("bar.sync %0, %1;\n" :: "n"(kId), "n"(kThreads) : "memory"); }
+// The same barrier reached from different instructions (one code path per consumer group): the
+// non-.aligned form, since bar.sync (barrier.sync.aligned) requires every participating thread to
+// execute the same instruction.
+template <int kId, int kThreads>
+CF_DEVICE void named_barrier_sync_across_paths() {
+    asm volatile("barrier.sync %0, %1;\n" :: "n"(kId), "n"(kThreads) : "memory");
+}
 template <int kId, int kThreads>
 CF_DEVICE void named_barrier_arrive() { asm volatile("bar.arrive %0, %1;\n" :: "n"(kId), "n"(kThreads) : "memory"); }

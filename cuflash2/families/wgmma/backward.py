@@ -2,7 +2,7 @@
 the launches.
 
 Three launches: flash_bwd_rows_sm90 (LSE in log2 units and D = rowsum(dO * O), padded to whole
-query blocks), flash_bwd_sm90 (one CTA per 128 keys: dK, dV, and dQ added to a zeroed fp32
+query blocks), flash_bwd_sm90 (one CTA per 128 keys, 64 at head dim 256: dK, dV, and dQ added to a zeroed fp32
 accumulator by bulk reductions; with deterministic=True in a fixed order of turns, counted in a
 zeroed int32 counter per query block), and flash_bwd_dq_sm90 (dQ scaled and converted out of the
 accumulator's fragment order); with GQA, the mma.sync family's conversion sums dK and dV over each
@@ -26,17 +26,24 @@ from .forward import ARCH, HANG_CHECK_VARIABLE, cpp_bool, hang_check, sm90a_opti
 
 SOURCE = "wgmma/flash_bwd_sm90.cu"
 #: Query rows per step for each head dim the kernel is built for (BwdTile): at 128 the two consumer
-#: groups split dQ's columns, at 64 they split its 128 rows.
-BLOCK_M = {64: 128, 128: 64}
-HEAD_DIMS = tuple(BLOCK_M)  # the kernel's; a call's head dim runs on the smallest that holds it
-#: Call head dims it runs: multiples of 8 from here up to 128 (below, most of a 64-column tile would
-#: be padding).
+#: groups split dQ's columns, at 64 they split its 128 rows, at 256 the head dim of dK, dV and dQ.
+BLOCK_M = {64: 128, 128: 64, 256: 64}
+#: Keys per CTA (BwdTile::kBlockN).
+BLOCK_N = {64: 128, 128: 128, 256: 64}
+HEAD_DIMS = tuple(BLOCK_M)  # the kernel's
+#: Call head dims it runs: multiples of 8 from MIN_HEAD_DIM up to 128, each on the smallest kernel
+#: head dim that holds it (below 32, most of a 64-column tile would be padding), and 256.
 MIN_HEAD_DIM = 32
-BLOCK_N = 128  # keys per CTA
+PADDED_UP_TO = 128
 THREADS = 384
 # BwdParams (flash_bwd_sm90.cu): 4 maps, 6 pointers, 6 i64 strides, 6 ints, 2 floats, the head dim,
 # padding to 704.
 PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiiffi60x")
+
+
+def runs_head_dim(head_dim: int) -> bool:
+    """Whether a call's head dim runs here (see MIN_HEAD_DIM)."""
+    return head_dim in HEAD_DIMS or (head_dim % 8 == 0 and MIN_HEAD_DIM <= head_dim <= PADDED_UP_TO)
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -45,11 +52,16 @@ def kernel_head_dim(head_dim: int) -> int:
 
 
 def smem_bytes(head_dim: int) -> int:
-    """BwdTile::kSmemBytes: K and V, two stages of Q and dO, two dS^T tiles, the warps' dQ parts,
-    two stages of LSE and D rows, the barriers, the alignment slack."""
-    block_m = BLOCK_M[head_dim]
-    kv, q, ds = BLOCK_N * 2 * head_dim, block_m * 2 * head_dim, BLOCK_N * 2 * block_m
-    return 2 * kv + 4 * q + 2 * ds + block_m * head_dim * 4 + 4 * block_m * 4 + 64 + 1024
+    """BwdTile::kSmemBytes: K and V, two stages of Q and dO, the dS^T tiles (two; one at head dim
+    256, with the fp32 P^T it is formed from), the warps' dQ parts (at head dim 256 staged over a
+    stage instead), two stages of LSE and D rows, the barriers, the alignment slack."""
+    block_m, block_n = BLOCK_M[head_dim], BLOCK_N[head_dim]
+    kv, q, ds = block_n * 2 * head_dim, block_m * 2 * head_dim, block_n * 2 * block_m
+    if head_dim == 256:
+        tiles = ds + block_n * block_m * 4
+    else:
+        tiles = 2 * ds + block_m * head_dim * 4
+    return 2 * kv + 4 * q + tiles + 4 * block_m * 4 + 64 + 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +132,9 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
         return f"needs compute capability 9.0 (sm_90a), got {arch // 10}.{arch % 10}"
     if shape.dtype not in SUPPORTED_DTYPES:
         return f"needs float16 or bfloat16 inputs, got {shape.dtype}"
-    if shape.head_dim % 8 or not MIN_HEAD_DIM <= shape.head_dim <= HEAD_DIMS[-1]:
-        return f"runs head dims that are multiples of 8 from {MIN_HEAD_DIM} to {HEAD_DIMS[-1]}, got {shape.head_dim}"
+    if not runs_head_dim(shape.head_dim):
+        return (f"runs head dims that are multiples of 8 from {MIN_HEAD_DIM} to {PADDED_UP_TO}, and "
+                f"{', '.join(str(d) for d in HEAD_DIMS if d > PADDED_UP_TO)}, got {shape.head_dim}")
     if not problem.plain or problem.features.varlen:
         return "runs plain and causal attention only (no window, softcap, ALiBi, dropout or varlen)"
     # TMA maps (q, k, v, dout), 16-byte loads (out), 8-byte stores (the conversion of dk and dv with
@@ -166,7 +179,7 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     gqa = shape.kv_group > 1
     kd = kernel_head_dim(d)
     config = config or WgmmaBwdConfig(kd, bool(problem.causal), shape.dtype, gqa, deterministic, hang_check())
-    block_m = BLOCK_M[kd]
+    block_m, block_n = BLOCK_M[kd], BLOCK_N[kd]
     m_blocks = math.ceil(sq / block_m)
     padded = m_blocks * block_m
     lse_log2, lse_log2_i = launcher.scratch((b, h, padded))
@@ -187,13 +200,13 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
         dk_acc = dv_acc = None
         dk_t, dv_t = dk, dv
     scale = shape.softmax_scale
-    n_blocks = math.ceil(sk / BLOCK_N)
+    n_blocks = math.ceil(sk / block_n)
     # Deterministic non-causal calls walk cyclically when a head's CTAs (one per SM) all fit at once.
     cyclic = config.deterministic and not config.causal and n_blocks <= sm_count(device_id)
 
     def build(addresses) -> tuple:
         q_at, k_at, v_at, do_at, lse_at, delta_at, dq_at, turns_at, dk_at, dv_at = addresses
-        return (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, BLOCK_N, b, sk, hk), _map(v, v_at, BLOCK_N, b, sk, hk),
+        return (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, block_n, b, sk, hk), _map(v, v_at, block_n, b, sk, hk),
                 _map(dout, do_at, block_m, b, sq, h), lse_at, delta_at, dq_at, turns_at or 0, dk_at, dv_at,
                 dk_t.strides[0], dk_t.strides[1], dk_t.strides[2], dv_t.strides[0], dv_t.strides[1], dv_t.strides[2],
                 sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale, d)
@@ -209,5 +222,5 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     del lse_log2, delta, dq_acc, turns, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
 
 
-__all__ = ["HANG_CHECK_VARIABLE", "MIN_HEAD_DIM", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
-           "backward", "kernel_head_dim", "unsupported_reason"]
+__all__ = ["HANG_CHECK_VARIABLE", "MIN_HEAD_DIM", "PADDED_UP_TO", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
+           "backward", "kernel_head_dim", "runs_head_dim", "unsupported_reason"]
