@@ -51,9 +51,9 @@ def test_mma_sync_runs_every_direction_by_default_but_the_sm90_forward_and_backw
             assert families.family_for(arch, PROBLEM, direction) is expected
 
 
-def test_the_hopper_backward_runs_head_dims_up_to_128_and_256(monkeypatch):
-    """Head dims up to 128 (multiples of 8 from 32) and 256 backwards on sm_90, deterministic ones too
-    (their dQ sums in a fixed order); head dims between 128 and 256 on mma_sync."""
+def test_the_hopper_backward_runs_head_dims_32_to_128_and_192_to_256(monkeypatch):
+    """Backwards at head dims 32-128 and 192-256 (multiples of 8) on sm_90, deterministic ones too
+    (their dQ sums in a fixed order); head dims between on mma_sync."""
     monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
     assert families.family_for(90, PROBLEM, "backward") is wgmma.FAMILY
     assert families.family_for(80, PROBLEM, "backward") is mma_sync.FAMILY
@@ -63,7 +63,9 @@ def test_the_hopper_backward_runs_head_dims_up_to_128_and_256(monkeypatch):
     d256 = AttentionProblem(AttentionShape(2, 512, 512, 8, 8, 256, "bfloat16", 0.0625), True)
     assert families.family_for(90, d256, "backward") is wgmma.FAMILY
     d192 = AttentionProblem(AttentionShape(2, 512, 512, 8, 8, 192, "bfloat16", 0.07), True)
-    assert families.family_for(90, d192, "backward") is mma_sync.FAMILY
+    assert families.family_for(90, d192, "backward") is wgmma.FAMILY
+    d160 = AttentionProblem(AttentionShape(2, 512, 512, 8, 8, 160, "bfloat16", 0.08), True)
+    assert families.family_for(90, d160, "backward") is mma_sync.FAMILY
 
 
 def test_the_first_family_that_supports_a_call_runs_it(two_families):

@@ -100,7 +100,8 @@ def test_the_family_runs_the_sm90_dense_forward_and_leaves_the_rest(monkeypatch)
     assert families.family_for(90, _problem(), "backward", grads, deterministic=True).name == "wgmma"
     assert families.family_for(90, _problem(d=64), "backward", grads).name == "wgmma"
     assert families.family_for(90, _problem(d=96), "backward", grads).name == "wgmma"  # on the d128 kernel
-    assert families.family_for(90, _problem(d=192), "backward", grads).name == "mma_sync"
+    assert families.family_for(90, _problem(d=192), "backward", grads).name == "wgmma"  # on the d256 kernel
+    assert families.family_for(90, _problem(d=160), "backward", grads).name == "mma_sync"
     assert families.family_for(90, _problem(), "backward", misaligned_grads := [("dout", _bshd(ptr=(1 << 20) + 2))]
                                ).name == "mma_sync"
     assert misaligned_grads
@@ -292,11 +293,12 @@ def test_the_backward_runs_head_dims_32_to_128_and_leaves_the_rest(monkeypatch):
     assert wgmma_bwd.unsupported_reason(90, _problem(d=64), False, grads) == ""
     for d in (32, 40, 96, 104):  # on the kernel of the next head dim up, its columns past d as zeros
         assert wgmma_bwd.unsupported_reason(90, _problem(d=d), False, grads) == ""
-    assert wgmma_bwd.unsupported_reason(90, _problem(d=256), False, grads) == ""
-    for d in (24, 100, 136, 192, 248):
-        assert f"multiples of 8 from 32 to 128, and 256, got {d}" in wgmma_bwd.unsupported_reason(
+    for d in (192, 200, 248, 256):  # on the d256 kernel
+        assert wgmma_bwd.unsupported_reason(90, _problem(d=d), False, grads) == ""
+    for d in (24, 100, 136, 184, 264):
+        assert f"multiples of 8 in 32-128 and 192-256, got {d}" in wgmma_bwd.unsupported_reason(
             90, _problem(d=d), False, grads)
-    assert [wgmma_bwd.kernel_head_dim(d) for d in (32, 64, 72, 128, 256)] == [64, 64, 128, 128, 256]
+    assert [wgmma_bwd.kernel_head_dim(d) for d in (32, 64, 72, 128, 192, 256)] == [64, 64, 128, 128, 256, 256]
     assert "compute capability 9.0" in wgmma_bwd.unsupported_reason(80, _problem(), False, grads)
     assert "plain and causal" in wgmma_bwd.unsupported_reason(90, _problem(features=Features(softcap=5.0)), False,
                                                               grads)
@@ -340,7 +342,7 @@ def _record_backward(monkeypatch, problem, deterministic=False):
 
 
 @pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True), (96, False), (40, True), (256, False),
-                                    (256, True)])
+                                    (256, True), (192, False)])
 def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeypatch, d, gqa):
     """Without a GPU: the launches the Hopper backward queues (pre-pass, main kernel, dQ conversion,
     and with GQA the dK/dV sums), their grids, the scratch they get, the tensor maps' boxes and the

@@ -223,14 +223,15 @@ def _assert_within_fa2_rule(grads, q, k, v, dout, causal):
 
 
 @hopper_only
-@pytest.mark.parametrize("d", [64, 128, 256, 32, 40, 72, 96, 120])
+@pytest.mark.parametrize("d", [64, 128, 256, 32, 40, 72, 96, 120, 192, 200])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("b, sq, sk, h, hk, causal", [(2, 256, 256, 4, 4, False), (2, 256, 256, 4, 4, True),
                                                       (1, 200, 333, 4, 4, True), (1, 333, 200, 4, 4, True),
                                                       (2, 130, 170, 8, 2, False), (2, 130, 170, 8, 2, True),
                                                       (1, 1024, 1024, 2, 1, True), (3, 65, 64, 2, 2, False)])
 def test_the_hopper_backward_matches_the_reference(monkeypatch, b, sq, sk, h, hk, causal, dtype, d):
-    """Head dims 64, 128 and 256, and those that run on the first two with padded columns (32-120):
+    """Head dims 64, 128 and 256, and those that run on their kernels with padded columns (32-120,
+    192-200):
     gradients within 3x the error of the same math in 16-bit torch against fp32 (FA2's rule), and
     the wgmma backward is the one that ran."""
     import torch
@@ -259,16 +260,16 @@ def ran_backward(monkeypatch):
 
 @hopper_only
 @pytest.mark.parametrize("case", ["d64", "d128 causal", "window", "softcap", "alibi", "dropout", "d96", "d24",
-                                  "d256", "d192", "deterministic"])
+                                  "d256", "d192", "d160", "deterministic"])
 def test_the_backward_leaves_what_the_hopper_kernel_does_not_run_to_mma_sync(ran_backward, case):
-    """Plain and causal backwards at head dims that are multiples of 8 from 32 to 128, and 256, run
-    on the wgmma family, deterministic or not; variants and other head dims on mma_sync."""
+    """Plain and causal backwards at head dims that are multiples of 8 in 32-128 and 192-256 run on
+    the wgmma family, deterministic or not; variants and other head dims on mma_sync."""
     import cupy as cp
 
     import cuflash2
     from cuflash2.materialize import as_float32
 
-    d = {"d64": 64, "d96": 96, "d24": 24, "d256": 256, "d192": 192}.get(case, 128)
+    d = {"d64": 64, "d96": 96, "d24": 24, "d256": 256, "d192": 192, "d160": 160}.get(case, 128)
     options = {"d128 causal": dict(causal=True), "window": dict(window_size=(32, 16)), "softcap": dict(softcap=5.0),
                "alibi": dict(alibi_slopes=cp.linspace(0.1, 0.5, 4, dtype=cp.float32)),
                "dropout": dict(dropout_p=0.2, dropout_seed=7), "deterministic": dict(deterministic=True)}.get(case, {})
@@ -277,7 +278,7 @@ def test_the_backward_leaves_what_the_hopper_kernel_does_not_run_to_mma_sync(ran
     dout = cp.asarray(np.ones(q.shape, np.float32).astype(q.dtype))
     grads = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, **options)
     cp.cuda.get_current_stream().synchronize()
-    on_hopper = ("d64", "d128 causal", "d96", "d256", "deterministic")
+    on_hopper = ("d64", "d128 causal", "d96", "d256", "d192", "deterministic")
     expected, other = ("wgmma", "mma_sync") if case in on_hopper else ("mma_sync", "wgmma")
     assert ran_backward[expected] >= 1 and ran_backward[other] == 0, ran_backward
     assert all(bool(cp.isfinite(as_float32(cp, g)).all()) for g in grads)

@@ -31,10 +31,11 @@ BLOCK_M = {64: 128, 128: 64, 256: 64}
 #: Keys per CTA (BwdTile::kBlockN).
 BLOCK_N = {64: 128, 128: 128, 256: 64}
 HEAD_DIMS = tuple(BLOCK_M)  # the kernel's
-#: Call head dims it runs: multiples of 8 from MIN_HEAD_DIM up to 128, each on the smallest kernel
-#: head dim that holds it (below 32, most of a 64-column tile would be padding), and 256.
-MIN_HEAD_DIM = 32
-PADDED_UP_TO = 128
+#: Call head dims it runs: multiples of 8 in these ranges, each on the smallest kernel head dim that
+#: holds it, the columns past its own loaded as zeros. Below 32 most of a 64-column tile would be
+#: padding; from 136 to 184 the d256 kernel's wasted columns cost more than the mma.sync backward
+#: loses (at d192 it measured 1.1-1.4x that backward, 0.93x only causal at 1k).
+HEAD_DIM_RANGES = ((32, 128), (192, 256))
 THREADS = 384
 # BwdParams (flash_bwd_sm90.cu): 4 maps, 6 pointers, 6 i64 strides, 6 ints, 2 floats, the head dim,
 # padding to 704.
@@ -42,8 +43,8 @@ PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiiffi60x")
 
 
 def runs_head_dim(head_dim: int) -> bool:
-    """Whether a call's head dim runs here (see MIN_HEAD_DIM)."""
-    return head_dim in HEAD_DIMS or (head_dim % 8 == 0 and MIN_HEAD_DIM <= head_dim <= PADDED_UP_TO)
+    """Whether a call's head dim runs here (see HEAD_DIM_RANGES)."""
+    return head_dim % 8 == 0 and any(lo <= head_dim <= hi for lo, hi in HEAD_DIM_RANGES)
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -133,8 +134,8 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
     if shape.dtype not in SUPPORTED_DTYPES:
         return f"needs float16 or bfloat16 inputs, got {shape.dtype}"
     if not runs_head_dim(shape.head_dim):
-        return (f"runs head dims that are multiples of 8 from {MIN_HEAD_DIM} to {PADDED_UP_TO}, and "
-                f"{', '.join(str(d) for d in HEAD_DIMS if d > PADDED_UP_TO)}, got {shape.head_dim}")
+        ranges = " and ".join(f"{lo}-{hi}" for lo, hi in HEAD_DIM_RANGES)
+        return f"runs head dims that are multiples of 8 in {ranges}, got {shape.head_dim}"
     if not problem.plain or problem.features.varlen:
         return "runs plain and causal attention only (no window, softcap, ALiBi, dropout or varlen)"
     # TMA maps (q, k, v, dout), 16-byte loads (out), 8-byte stores (the conversion of dk and dv with
@@ -222,5 +223,5 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     del lse_log2, delta, dq_acc, turns, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
 
 
-__all__ = ["HANG_CHECK_VARIABLE", "MIN_HEAD_DIM", "PADDED_UP_TO", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
+__all__ = ["HANG_CHECK_VARIABLE", "HEAD_DIM_RANGES", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
            "backward", "kernel_head_dim", "runs_head_dim", "unsupported_reason"]
