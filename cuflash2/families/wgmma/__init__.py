@@ -1,7 +1,7 @@
 """The wgmma kernel family (Hopper, sm_90a): a warp-specialised forward and backward on warpgroup
 MMAs fed by TMA tensor copies (kernels_cu/wgmma/). On compute capability 9.0 it runs the dense
-forward, plain or causal, and the dense backward at head dims 64 and 128; every other call goes to
-the next family (mma_sync).
+forward, plain or causal, and the dense backward at head dims 32-128 and 192-256 (multiples of 8);
+every other call goes to the next family (mma_sync).
 
 Modules: forward and backward (tiles, what each runs, the launches with their parameter structs).
 """
