@@ -32,10 +32,12 @@
 //  - non-causal otherwise: ascending walks, turns by descending key block (each CTA trails the
 //    next one by the wait, but no CTA waits for one that is not running yet).
 // CTAs take their key blocks from a per-head ticket, from the highest key block down in the order
-// they start, so every CTA that the first turns wait for is already running (whatever order the
-// GPU starts CTAs in); the cyclic order needs every CTA of the head on the device at once, hence
-// the flag: it assumes all SMs are free to this kernel (a green context or an MPS limit with fewer
-// SMs than the device reports could leave a waited-for CTA unstarted; other kernels only delay it).
+// they start, so in the descending orders every CTA that a turn waits for is already running
+// (whatever order the GPU starts CTAs in). The cyclic order also waits for CTAs that started later:
+// it needs every CTA of the head on the device at once, hence the flag, and assumes that the GPU
+// starts one head's CTAs before the next head's (blockIdx order, x fastest) and that all its SMs
+// are free to this kernel (a green context or an MPS limit with fewer SMs than the device reports
+// could leave a waited-for CTA unstarted; other kernels only delay it).
 //
 // Tiles per head dim (BwdTile): head dim 128 takes 64 query rows per step and the groups split dQ's
 // columns; head dim 64 takes 128 rows (wider S^T products, which read less shared memory per MMA)
