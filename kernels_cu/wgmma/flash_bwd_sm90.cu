@@ -1,9 +1,8 @@
 // FlashAttention-2 backward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
 //
 // One CTA per block of 128 keys (and head, batch) walks the query blocks that see those keys
-// (kBlockM rows at a time; a persistent grid walks several such tiles per CTA, see TileWalk).
-// Warpgroup 0 is the producer: one thread loads the tile's K and V once, another the Q and dO
-// blocks into a two-stage pipeline. Each of the two consumer warpgroups owns 64 of
+// (kBlockM rows at a time). Warpgroup 0 is the producer: one thread loads the CTA's K and V once
+// and the Q and dO blocks into a two-stage pipeline. Each of the two consumer warpgroups owns 64 of
 // the keys (head dim 256: see the split tile below) and, per query block, computes
 //   S^T = K Q^T and dP^T = V dO^T                  (keys as rows: both operands in shared memory)
 //   P^T = exp2(S^T * scale_log2 - LSE_log2)         (the forward's softmax, from its LSE)

@@ -2,8 +2,7 @@
 the launches.
 
 Three launches: flash_bwd_rows_sm90 (LSE in log2 units and D = rowsum(dO * O), padded to whole
-query blocks), flash_bwd_sm90 (one CTA per 128 keys, 64 at head dim 256, or a persistent grid
-walking those tiles: dK, dV, and dQ added to a zeroed fp32
+query blocks), flash_bwd_sm90 (one CTA per 128 keys, 64 at head dim 256: dK, dV, and dQ added to a zeroed fp32
 accumulator by bulk reductions; with deterministic=True in a fixed order of turns, counted in a
 zeroed int32 counter per query block), and flash_bwd_dq_sm90 (dQ scaled and converted out of the
 accumulator's fragment order); with GQA, the mma.sync family's conversion sums dK and dV over each
