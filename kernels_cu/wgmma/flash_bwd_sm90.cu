@@ -146,11 +146,11 @@ struct Barriers {
 static_assert(16 + 24 * kStages + 8 <= 128, "Barriers: 128 bytes");
 
 // The tiles (key block, head, batch) a CTA computes, by index t = n_block + n_blocks (head +
-// nheads batch). A persistent grid (one CTA per SM; kPersistent calls, whose tiles all cost the
-// same) walks blockIdx.x, + gridDim.x, ...: key blocks fastest, so that CTAs running together share
-// a head's Q and dO in L2, and the producer loads a tile's K and V while the consumers store the
-// previous tile's dK and dV. Otherwise the CTA runs the one tile of its block index (of its ticket
-// in deterministic mode) and the hardware schedules CTAs as they finish.
+// nheads batch). A persistent grid (one CTA per SM; non-causal, non-deterministic calls, whose
+// tiles all cost the same) walks blockIdx.x, + gridDim.x, ...: key blocks fastest, so that CTAs
+// running together share a head's Q and dO in L2, and the producer loads a tile's K and V while the
+// consumers store the previous tile's dK and dV. Otherwise the CTA runs the one tile of its block
+// index (of its ticket in deterministic mode) and the hardware schedules CTAs as they finish.
 template <bool kPersistent>
 struct TileWalkOf {  // the persistent walk
     int first, stride, total, n_blocks;
@@ -170,17 +170,13 @@ struct TileWalkOf<false> {  // one tile: the loops over the walk compile to one 
     CF_DEVICE int head(int, const BwdParams&) const { return head_; }
     CF_DEVICE int batch(int, const BwdParams&) const { return batch_; }
 };
-// Which calls run the persistent grid (the host launches gridDim.x = min(tiles, SMs) <= tiles):
-// non-causal, non-deterministic ones at head dim 64 (1.03-1.07x the one-tile grid on an H200); at
-// 128 it measured 0.98-1.01x, at 256 0.93-0.99x.
-template <class T, bool kCausal, bool kDeterministic>
-constexpr bool kPersistent = T::kHeadDim == 64 && !kCausal && !kDeterministic;
-template <class T, bool kCausal, bool kDeterministic>
-using TileWalk = TileWalkOf<kPersistent<T, kCausal, kDeterministic>>;
+// Which calls run the persistent grid (the host launches gridDim.x = min(tiles, SMs) <= tiles).
+template <bool kCausal, bool kDeterministic>
+using TileWalk = TileWalkOf<!kCausal && !kDeterministic>;
 
 template <class T, bool kCausal, bool kDeterministic>
-CF_DEVICE TileWalk<T, kCausal, kDeterministic> tile_walk(int n_block, int head, int batch, const BwdParams& p) {
-    if constexpr (kPersistent<T, kCausal, kDeterministic>) {
+CF_DEVICE TileWalk<kCausal, kDeterministic> tile_walk(int n_block, int head, int batch, const BwdParams& p) {
+    if constexpr (!kCausal && !kDeterministic) {
         const int n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
         return {(int)blockIdx.x, (int)gridDim.x, n_blocks * p.nheads * p.batch, n_blocks};
     } else {
@@ -301,7 +297,7 @@ CF_DEVICE void load_key_block(const BwdParams& p, u32 smem, const Barriers& bars
 // blocks of every step, running up to two steps ahead, across tile boundaries too.
 template <class T, bool kCausal, bool kDeterministic>
 CF_DEVICE void produce_key_blocks(const BwdParams& p, u32 smem, const Barriers& bars,
-                                  const TileWalk<T, kCausal, kDeterministic>& walk) {
+                                  const TileWalk<kCausal, kDeterministic>& walk) {
     int t = walk.first, tile = 0;
     do load_key_block<T>(p, smem, bars, tile++, walk.n_block(t), walk.head(t, p), walk.batch(t, p));
     while (walk.next(t));
@@ -309,7 +305,7 @@ CF_DEVICE void produce_key_blocks(const BwdParams& p, u32 smem, const Barriers& 
 
 template <class T, bool kCausal, bool kDeterministic>
 CF_DEVICE void produce_query_blocks(const BwdParams& p, u32 smem, const Barriers& bars,
-                                    const TileWalk<T, kCausal, kDeterministic>& walk) {
+                                    const TileWalk<kCausal, kDeterministic>& walk) {
     tma_prefetch_map(&p.q_map);
     tma_prefetch_map(&p.do_map);
     int steps_before = 0, t = walk.first;  // steps of the CTA's earlier tiles (0 with one tile)
@@ -535,7 +531,7 @@ CF_DEVICE void keep_step(const BwdParams& p, u32 smem, const Barriers& bars, int
 }
 
 template <class T, bool kCausal, bool kDeterministic>
-CF_DEVICE void keep_dq(const BwdParams& p, u32 smem, const Barriers& bars, const TileWalk<T, kCausal, kDeterministic>& walk) {
+CF_DEVICE void keep_dq(const BwdParams& p, u32 smem, const Barriers& bars, const TileWalk<kCausal, kDeterministic>& walk) {
     int steps_before = 0, t = walk.first;  // steps of the CTA's earlier tiles (0 with one tile)
     do {
         const int n_block = walk.n_block(t), first = first_query_block<T, kCausal>(n_block, p);
@@ -628,7 +624,7 @@ CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, 
 
 // A consumer group: its 64 keys of each tile of the CTA's walk.
 template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic>
-CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, const TileWalk<T, kCausal, kDeterministic>& walk) {
+CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, const TileWalk<kCausal, kDeterministic>& walk) {
     int steps_before = 0, t = walk.first, tile = 0;
     do {
         const int n_block = walk.n_block(t);
@@ -754,7 +750,7 @@ CF_DEVICE void consume_split_tile(const BwdParams& p, u32 smem, const Barriers& 
 }
 
 template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, int kGroup>
-CF_DEVICE void consume_split(const BwdParams& p, u32 smem, const Barriers& bars, const TileWalk<T, kCausal, kDeterministic>& walk) {
+CF_DEVICE void consume_split(const BwdParams& p, u32 smem, const Barriers& bars, const TileWalk<kCausal, kDeterministic>& walk) {
     int steps_before = 0, t = walk.first, tile = 0;
     do {
         const int n_block = walk.n_block(t);

@@ -172,10 +172,9 @@ def _ptr(x):
 
 
 def persistent(config: WgmmaBwdConfig) -> bool:
-    """Whether the kernel walks tiles in a persistent grid (flash_bwd_sm90.cu, kPersistent): non-causal
-    calls at head dim 64, whose tiles cost the same, outside deterministic mode (whose CTAs take turns
-    by key block)."""
-    return config.head_dim == 64 and not config.causal and not config.deterministic
+    """Whether the kernel walks tiles in a persistent grid (flash_bwd_sm90.cu, TileWalk): non-causal
+    calls, whose tiles cost the same, outside deterministic mode (whose CTAs take turns by key block)."""
+    return not config.causal and not config.deterministic
 
 
 def main_grid(config: WgmmaBwdConfig, n_blocks: int, h: int, b: int, device_id: int) -> tuple[int, int, int]:
