@@ -369,11 +369,18 @@ CF_DEVICE void store_score_gradients(u32 ds_tile, const u32 (&dsa)[T::kBlockM / 
 // The warp's dQ part into its staging buffer (DqFragments order: the 8 warps' buffers hold the query
 // block's accumulator as laid out in global memory), once the dQ keeper has freed it; the keeper
 // adds the whole block (keep_dq).
-CF_DEVICE void stage_query_gradient(const float (&dq)[32], u32 staging, int lane, const Barriers& bars, int it) {
-    mbarrier_wait(bars.dq_free(), (it & 1) ^ 1);
+// One part (16 rows x 64 columns: accumulator registers from..from + 31) in DqFragments order.
+template <int kN>
+CF_DEVICE void stage_dq_part(const float (&dq)[kN], int from, u32 part, int lane) {
 #pragma unroll
     for (int c = 0; c < 8; ++c)
-        st_shared_f32x4(staging + (c * 32 + lane) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+        st_shared_f32x4(part + (c * 32 + lane) * 16, dq[from + 4 * c], dq[from + 4 * c + 1], dq[from + 4 * c + 2],
+                        dq[from + 4 * c + 3]);
+}
+
+CF_DEVICE void stage_query_gradient(const float (&dq)[32], u32 staging, int lane, const Barriers& bars, int it) {
+    mbarrier_wait(bars.dq_free(), (it & 1) ^ 1);
+    stage_dq_part(dq, 0, staging, lane);
     fence_proxy_async_smem();  // the stores, before the copy engine reads them
     __syncwarp();
     if (lane == 0) mbarrier_arrive(bars.dq_staged(0));
@@ -386,13 +393,8 @@ CF_DEVICE void stage_query_gradient_in_stage(const float (&dq)[64], u32 smem, in
                                              const Barriers& bars) {
     const u32 staging = T::dq_staging(smem, stage);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u32 part = staging + DqFragments<T>::part(group, warp, h) * kDqWarpBytes;
-#pragma unroll
-        for (int c = 0; c < 8; ++c)
-            st_shared_f32x4(part + (c * 32 + lane) * 16, dq[32 * h + 4 * c], dq[32 * h + 4 * c + 1],
-                            dq[32 * h + 4 * c + 2], dq[32 * h + 4 * c + 3]);
-    }
+    for (int h = 0; h < 2; ++h)
+        stage_dq_part(dq, 32 * h, staging + DqFragments<T>::part(group, warp, h) * kDqWarpBytes, lane);
     fence_proxy_async_smem();  // the stores, before the copy engine reads them
     __syncwarp();
     if (lane == 0) mbarrier_arrive(bars.dq_staged(stage));

@@ -2,11 +2,11 @@
 the launches.
 
 Three launches: flash_bwd_rows_sm90 (LSE in log2 units and D = rowsum(dO * O), padded to whole
-query blocks), flash_bwd_sm90 (one CTA per 128 keys, 64 at head dim 256: dK, dV, and dQ added to a zeroed fp32
-accumulator by bulk reductions; with deterministic=True in a fixed order of turns, counted in a
-zeroed int32 counter per query block), and flash_bwd_dq_sm90 (dQ scaled and converted out of the
-accumulator's fragment order); with GQA, the mma.sync family's conversion sums dK and dV over each
-group of query heads.
+query blocks), flash_bwd_sm90 (one CTA per 128 keys, 64 at head dim 256: dK, dV, and dQ added to
+a zeroed fp32 accumulator by bulk reductions; with deterministic=True in a fixed order of turns,
+counted in a zeroed int32 counter per query block), and flash_bwd_dq_sm90 (dQ scaled and
+converted out of the accumulator's fragment order); with GQA, the mma.sync family's conversion
+sums dK and dV over each group of query heads.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ SOURCE = "wgmma/flash_bwd_sm90.cu"
 BLOCK_M = {64: 128, 128: 64, 256: 64}
 #: Keys per CTA (BwdTile::kBlockN).
 BLOCK_N = {64: 128, 128: 128, 256: 64}
+#: Kernel head dims whose consumer groups split the head dim (BwdTile::kSplitColumns).
+SPLIT_HEAD_DIMS = (256,)
 HEAD_DIMS = tuple(BLOCK_M)  # the kernel's
 #: Call head dims it runs: multiples of 8 in these ranges, each on the smallest kernel head dim that
 #: holds it, the columns past its own loaded as zeros. Below 32 most of a 64-column tile would be
@@ -58,7 +60,7 @@ def smem_bytes(head_dim: int) -> int:
     stage instead), two stages of LSE and D rows, the barriers, the alignment slack."""
     block_m, block_n = BLOCK_M[head_dim], BLOCK_N[head_dim]
     kv, q, ds = block_n * 2 * head_dim, block_m * 2 * head_dim, block_n * 2 * block_m
-    if head_dim == 256:
+    if head_dim in SPLIT_HEAD_DIMS:
         tiles = ds + block_n * block_m * 4
     else:
         tiles = 2 * ds + block_m * head_dim * 4
