@@ -22,6 +22,21 @@ def test_tiles_fit_shared_memory_and_cover_every_head_dim():
             assert config in wgmma_fwd.all_configs()
 
 
+def test_the_output_tile_is_staged_beside_v_up_to_head_dim_128_and_over_it_above():
+    """Above head dim 64 the epilogue's output tile (one TMA store per warpgroup and 64-column
+    panel) has shared memory of its own where Q, K and V leave room for it, and lies over the V
+    stages (which must then hold it) above head dim 128; up to 64 the output needs none."""
+    for d in range(16, 257, 16):
+        for causal in (False, True):
+            config = wgmma_fwd.forward_config(d, "bfloat16", causal)
+            output = config.block_m * 128 * config.panels if d > 64 else 0
+            kv = 2 * wgmma_fwd.STAGES * config.block_n * 128 * config.panels
+            q = config.q_stages * config.block_m * 128 * config.panels
+            assert config.output_over_v == (d > 128), config
+            assert config.smem_bytes == q + kv + (0 if config.output_over_v else output) + 128 + 1024
+            assert not config.output_over_v or output <= kv // 2, config
+
+
 def test_short_causal_calls_at_small_head_dims_take_two_warpgroups(monkeypatch):
     """Up to head dim 64 the forward runs three consumer warpgroups (192 query rows), except on
     causal calls whose query and key lengths are both short, where a 128-row tile wastes less of
@@ -47,8 +62,8 @@ def test_short_causal_calls_at_small_head_dims_take_two_warpgroups(monkeypatch):
         assert chosen[-1].groups == groups, (seqlen_q, seqlen_k)
 
 
-def test_params_struct_is_the_kernels_512_bytes():
-    assert wgmma_fwd.PARAMS.size == 512  # flash_fwd_sm90.cu static_asserts sizeof(FwdParams) == 512
+def test_params_struct_is_the_kernels_640_bytes():
+    assert wgmma_fwd.PARAMS.size == 640  # flash_fwd_sm90.cu static_asserts sizeof(FwdParams) == 640
 
 
 def _bshd(b=2, s=256, h=4, d=128, ptr=1 << 20, strides=None):
@@ -223,18 +238,18 @@ def test_a_replay_rebuilds_the_parameter_struct_for_new_addresses(monkeypatch):
     (grid, threads, smem, stream, fields), = sent
     config = wgmma_fwd.forward_config(128, "bfloat16", True)
     assert grid == (16, 1, 1) and threads == config.threads and smem == config.smem_bytes and stream == 77
-    maps = [int.from_bytes(m[:8], "little") for m in fields[:3]]
-    assert maps == addresses[:3] and list(fields[3:6]) == [addresses[3], addresses[4], 0xABC000]
+    maps = [int.from_bytes(m[:8], "little") for m in fields[:4]]  # q, k, v and the output's store map
+    assert maps == addresses[:4] and list(fields[4:7]) == [addresses[3], addresses[4], 0xABC000]
     assert memsets == [(0xABC000, 4)]  # the tile counter starts at zero on every replay
     assert wgmma_fwd.PARAMS.pack(*fields)  # the fields fit the kernel's layout
-    assert np.int32(fields[13]) == 128  # head_dim
+    assert np.int32(fields[14]) == 128  # head_dim
     built = []
     monkeypatch.setattr(tensor_maps, "encode_tiled", lambda *args, **kwargs: built.append(args) or fake_map(*args))
     recording.run(addresses, 77, scratch_base=0xABC000)  # the same addresses: the same struct, not rebuilt
     assert not built and sent[1][4] == fields
     moved = [a + 256 for a in addresses]
     recording.run(moved, 77, scratch_base=0xABC000)
-    assert len(built) == 3 and [int.from_bytes(m[:8], "little") for m in sent[2][4][:3]] == moved[:3]
+    assert len(built) == 4 and [int.from_bytes(m[:8], "little") for m in sent[2][4][:4]] == moved[:4]
 
 
 def test_replays_are_dropped_when_the_family_variable_changes(monkeypatch):

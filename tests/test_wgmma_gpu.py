@@ -63,9 +63,10 @@ def test_the_hopper_forward_runs_and_matches(ran, head_dim, seqlens, causal, dty
 @hopper_only
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads, heads_kv", [(16, 4), (8, 1)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 def test_gqa_and_many_tiles_per_cta(ran, head_dim, heads, heads_kv, causal):
-    """More tiles than SMs (the persistent walk and, causal, the tile counter), grouped heads."""
+    """More tiles than SMs (the persistent walk and, causal, the tile counter), grouped heads; above
+    head dim 128 each tile's output goes through the V stages before the next tile's V loads."""
     import cupy as cp
 
     q, k, v = make_inputs(cp, 3, 1500, 1500, heads, heads_kv, head_dim, "bf16",
@@ -75,7 +76,7 @@ def test_gqa_and_many_tiles_per_cta(ran, head_dim, heads, heads_kv, causal):
 
 
 @hopper_only
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_causal_tiles_that_see_no_key(ran, head_dim):
     """seqlen_q far above seqlen_k, causal: most query tiles see no key (no loads; O = 0 and LSE =
     +inf) while the tile schedule goes on, with more tiles than SMs."""
@@ -105,6 +106,30 @@ def test_strided_views_and_out(ran):
     ref = cuflash2.flash_attn_func(q, k, v, causal=True)
     assert bool((out == ref).all())  # the same kernel, the same bits
     assert ran["wgmma"] >= 2 and ran["mma_sync"] == 0  # (a repeated signature replays without the entry)
+
+
+@hopper_only
+@pytest.mark.parametrize("head_dim", [72, 128, 200])
+def test_the_output_store_writes_only_the_output(ran, head_dim):
+    """`out` as a strided view into a larger buffer (every fourth head of 4 x 6, rows padded): the
+    TMA stores of the output tiles write its rows and columns and nothing past the sequence end,
+    the head dim or between the heads."""
+    import cupy as cp
+
+    import cuflash2
+
+    q, k, v = make_inputs(cp, 2, 300, 260, 6, 6, head_dim, "fp16", stable_seed("wgmma-out", head_dim))
+    buffer = cp.full((2, 304, 4, 6, head_dim + 8), 7.0, cp.float16)
+    out = buffer[:, :300, 1, :, :head_dim]
+    got = cuflash2.flash_attn_func(q, k, v, causal=True, out=out)
+    assert got is out or bool((got == out).all())
+    ref = cuflash2.flash_attn_func(q, k, v, causal=True)
+    assert bool((out == ref).all())
+    check_forward(cp, q, k, v, True)
+    untouched = buffer.copy()
+    untouched[:, :300, 1, :, :head_dim] = 7.0
+    assert bool((untouched == 7.0).all())
+    assert ran["wgmma"] >= 2 and ran["mma_sync"] == 0
 
 
 @hopper_only

@@ -519,7 +519,10 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         register_fence(pa);
         register_fence(dsa);
         // Q and dO are read: the stage goes back to the producer before dQ (which reads K and dS^T).
-        if (lane == 0) mbarrier_arrive(bars.qdo_empty(stage));
+        // Every thread arrives after its own LSE and D reads: compute-sanitizer's racecheck tracks
+        // the producer's bulk copies into the stage and does not order other lanes' reads before
+        // one lane's arrive.
+        mbarrier_arrive(bars.qdo_empty(stage));
         float dq[32];
         wgmma_fence();
         issue_query_gradient<T, 64, kBf16>(dq, ds_tile + T::query_panel(group) * T::kBlockN * 128,
@@ -663,9 +666,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
         mbarrier_init(bars.kv_full(), 1);
         for (int s = 0; s < kStages; ++s) {
             mbarrier_init(bars.qdo_full(s), 1);
-            // One arrival per consumer warp; split: one per consumer thread, and the keeper's once
-            // the dQ staged there is read.
-            mbarrier_init(bars.qdo_empty(s), T::kSplitColumns ? 257 : 8);
+            // One arrival per consumer thread; split: and the keeper's once the dQ staged there is read.
+            mbarrier_init(bars.qdo_empty(s), T::kSplitColumns ? 257 : 256);
             mbarrier_init(bars.dq_staged(s), 8);  // one arrival per consumer warp
         }
         mbarrier_init(bars.dq_free(), 1);

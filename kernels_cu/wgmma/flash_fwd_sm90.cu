@@ -8,6 +8,9 @@
 // accumulator layout is the A-operand layout). Within a warpgroup the next block's Q K^T runs while
 // the softmax of the current one is computed; across warpgroups the MMA issue goes round in turn
 // (named barriers), so the tensor cores work for one warpgroup while the others do their softmax.
+// Above head dim 64 each warpgroup writes its normalised O rows into shared memory (stmatrix, the
+// swizzled layout the TMA reads) and one thread stores them with a TMA copy that runs while the
+// next tile starts.
 //
 // Key blocks are visited from the last to the first, so the blocks that need masking (the sequence
 // tail, the causal diagonal) come first and the rest run without mask arithmetic.
@@ -17,7 +20,8 @@
 // this order with natural alignment (cuflash2's wgmma family); the size is pinned below.
 struct FwdParams {
     TensorMap q_map, k_map, v_map;  // (head_dim, seqlen, heads, batch) tiles of {64, rows}, 128B swizzle
-    u16* o;
+    TensorMap o_map;                // the output, tiles of {64, 64} (one warpgroup's rows)
+    u16* o;                         // the output again, for rows written without the TMA (see store_rows)
     float* lse;                     // (batch, heads, seqlen_q) by the strides below; natural log
     int* tile_counter;              // causal: zero at launch, counts the tiles taken after the first round
     i64 o_batch_stride, o_row_stride, o_head_stride;
@@ -27,7 +31,7 @@ struct FwdParams {
     int section_pairs;              // causal: (batch, head) pairs per L2 section of the tile order
     float scale_log2;               // softmax_scale * log2(e)
 };
-static_assert(sizeof(FwdParams) == 512, "FwdParams: host layout (3 maps, 3 pointers, 5 i64, 9 int, 1 float)");
+static_assert(sizeof(FwdParams) == 640, "FwdParams: host layout (4 maps, 3 pointers, 5 i64, 9 int, 1 float)");
 
 constexpr int kStages = 2;
 
@@ -35,7 +39,8 @@ enum : int { kTurnBarrier0 = 1 };  // named barrier ids kTurnBarrier0 + group: t
 
 // The tile shape of one instantiation and the shared-memory layout it implies: kQStages Q tiles,
 // kStages K blocks, kStages V blocks (each as 128-byte panels of 64 columns, see smem_descriptor),
-// then the mbarriers. Two Q tiles at head dims up to 64 let the next tile's first Q K^T run with
+// the output tile when there is room for it (else it lies over the V stages, see kOOverV), then the
+// mbarriers. Two Q tiles at head dims up to 64 let the next tile's first Q K^T run with
 // the current tile's last P V (see consume): +1-7% there on an H200, -3..+3% at head dim 128, so
 // head dims above 64 keep one.
 template <int kHeadDim_, int kBlockN_, int kGroups_>
@@ -59,7 +64,18 @@ struct FwdTile {
     static constexpr int kKVBytes = kBlockN * 128 * kPanels;
     static constexpr int kK = kQStages * kQBytes;
     static constexpr int kV = kK + kStages * kKVBytes;
-    static constexpr int kBarriers = kV + kStages * kKVBytes;
+    // The output goes through shared memory and TMA stores above head dim 64 (store_output); up to
+    // 64, where the next tile's first S already runs beside the epilogue (two Q tiles), registers
+    // straight to global memory measured 3-6% faster (store_rows).
+    static constexpr bool kStoreThroughSmem = kPanels > 1;
+    static constexpr int kOBytes = kStoreThroughSmem ? kBlockM * 128 * kPanels : 0;  // 64-column panels per group
+    // Above head dim 128 the output tile does not fit beside Q, K and V: it is staged over the V
+    // stages, which the tile's last P V has read (every warp's, see store_output), and the producer
+    // loads the next tile's V once the TMA store has read it (FwdBarriers::o_empty).
+    static constexpr bool kOOverV = kV + kStages * kKVBytes + kOBytes + 128 + 1024 > 227 * 1024;
+    static_assert(!kOOverV || kOBytes <= kStages * kKVBytes, "the output tile fits over the V stages");
+    static constexpr int kO = kOOverV ? kV : kV + kStages * kKVBytes;
+    static constexpr int kBarriers = kOOverV ? kV + kStages * kKVBytes : kO + kOBytes;
     static constexpr int kBytes = kBarriers + 128 + 1024;  // + the alignment slack of the base
     static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: multiple of 16, at most 256");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: multiple of 16, at most 256");
@@ -79,7 +95,11 @@ struct FwdBarriers {
     CF_DEVICE u32 v_full(int stage) const { return base + 48 + 8 * (2 * kStages + stage); }
     CF_DEVICE u32 v_empty(int stage) const { return base + 48 + 8 * (3 * kStages + stage); }
     CF_DEVICE u32 tile_slot() const { return base + 48 + 8 * 4 * kStages; }
+    // Output staged over the V stages (FwdTile::kOOverV): one arrival per consumer group once its
+    // TMA store has read the tile.
+    CF_DEVICE u32 o_empty() const { return base + 56 + 8 * 4 * kStages; }
 };
+static_assert(56 + 8 * 4 * kStages + 8 <= 128, "FwdBarriers: 128 bytes");
 
 CF_DEVICE void st_shared_volatile(u32 addr, int value) {
     asm volatile("st.volatile.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(value) : "memory");
@@ -222,6 +242,10 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
         // The consumers take K one block ahead of V: K[n] is multiplied while P[n+1] V[n+1] runs.
         load_kv_block<Tl, false>(smem, &p.k_map, bars, k_state, n_blocks - 1,
                                          kv_head, tile.batch);
+        // Output staged over the V stages: the previous tile's must have been read by its TMA stores.
+        // q_state counts the tiles with keys, this one included (the ones whose output goes through
+        // shared memory; one register less than a counter of its own, for the 24-register producer).
+        if (Tl::kOOverV && q_state.count > 1) mbarrier_wait(bars.o_empty(), (q_state.count - 2) & 1);
         for (int n = n_blocks - 2; n >= 0; --n) {
             load_kv_block<Tl, false>(smem, &p.k_map, bars, k_state, n,
                                              kv_head, tile.batch);
@@ -351,36 +375,6 @@ CF_DEVICE void rescale_rows(float (&o)[kRegs], const float (&scale)[2]) {
     for (int i = 0; i < kRegs; ++i) o[i] *= scale[(i % 4) / 2];
 }
 
-// ---- consumer: epilogue --------------------------------------------------------------------------
-// Normalises and stores this thread's two rows of O (pairs of columns, 4-byte stores) and their LSE.
-// Rows that saw no key (sum 0) get O = 0 and LSE = +inf.
-template <int kRegs, bool kBf16>
-CF_DEVICE void store_rows(float (&o)[kRegs], RowStats& stats, const int (&row)[2], int lane, const Tile& tile,
-                          const FwdParams& p) {
-    const float kLn2 = 0.6931471805599453f;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = stats.sum[r];
-        sum += shfl_xor(sum, 1);
-        sum += shfl_xor(sum, 2);
-        if (row[r] >= p.seqlen_q) continue;
-        const bool empty = sum == 0.f;
-        const float inv = empty ? 0.f : 1.f / sum;
-        u16* out = p.o + tile.batch * p.o_batch_stride + tile.head * p.o_head_stride + row[r] * p.o_row_stride;
-#pragma unroll
-        for (int j = 0; j < kRegs / 4; ++j) {
-            const int col = 8 * j + 2 * (lane % 4);
-            if (col < p.head_dim) {
-                const float lo = o[4 * j + 2 * r] * inv, hi = o[4 * j + 2 * r + 1] * inv;
-                *reinterpret_cast<u32*>(out + col) = Element16<kBf16>::pack(lo, hi);
-            }
-        }
-        if (lane % 4 == 0)
-            p.lse[tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + row[r]] =
-                empty ? CF_INF : (stats.max[r] * p.scale_log2 + fast_log2(sum)) * kLn2;
-    }
-}
-
 // The MMA turns: a warpgroup issues its GEMMs only on its turn, then hands the turn to the next
 // group (barrier kTurnBarrier0 + g counts the 128 threads of group g and the 128 arriving from the
 // group before it).
@@ -420,10 +414,112 @@ CF_DEVICE ConsumerTile consumer_tile(int t, int group, int warp, int lane, const
     return c;
 }
 
+// ---- consumer: epilogue --------------------------------------------------------------------------
+// The row sums completed over the quad, this thread's two LSE values written, and 1 / sum returned
+// (0 for rows that saw no key: their O is 0 and their LSE +inf).
+CF_DEVICE void finish_rows(const RowStats& stats, const int (&row)[2], int lane, const Tile& tile,
+                           const FwdParams& p, float (&inv)[2]) {
+    const float kLn2 = 0.6931471805599453f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = stats.sum[r];
+        sum += shfl_xor(sum, 1);
+        sum += shfl_xor(sum, 2);
+        const bool empty = sum == 0.f;
+        inv[r] = empty ? 0.f : 1.f / sum;
+        if (lane % 4 == 0 && row[r] < p.seqlen_q)
+            p.lse[tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + row[r]] =
+                empty ? CF_INF : (stats.max[r] * p.scale_log2 + fast_log2(sum)) * kLn2;
+    }
+}
+
+// O normalised and stored from registers (pairs of columns, 4-byte stores): up to head dim 64, and
+// for tiles that see no key at all (causal, more queries than keys: O = 0 and LSE = +inf).
+template <int kRegs, bool kBf16>
+CF_DEVICE void store_rows(const float (&o)[kRegs], const RowStats& stats, const int (&row)[2], int lane,
+                          const Tile& tile, const FwdParams& p) {
+    float inv[2];
+    finish_rows(stats, row, lane, tile, p, inv);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (row[r] >= p.seqlen_q) continue;
+        u16* out = p.o + tile.batch * p.o_batch_stride + tile.head * p.o_head_stride + row[r] * p.o_row_stride;
+#pragma unroll
+        for (int j = 0; j < kRegs / 4; ++j) {
+            const int col = 8 * j + 2 * (lane % 4);
+            if (col < p.head_dim)
+                *reinterpret_cast<u32*>(out + col) =
+                    Element16<kBf16>::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+        }
+    }
+}
+
+enum : int { kOutputBarrier0 = 4 };  // named barrier ids kOutputBarrier0 + group: a group's output tile
+
+CF_DEVICE void output_barrier(int group) {
+    if (group == 0) named_barrier_sync<kOutputBarrier0, 128>();
+    else if (group == 1) named_barrier_sync<kOutputBarrier0 + 1, 128>();
+    else named_barrier_sync<kOutputBarrier0 + 2, 128>();
+}
+
+// The group's 64 rows of O, normalised, through shared memory to global: stmatrix into its panels
+// of the output tile (four 8 x 8 blocks per instruction, the accumulator's layout, 128-byte
+// swizzled as the TMA reads them), then thread 0 of the group issues one TMA store per 64-column
+// panel (rows past the sequence end and columns past the head dim are dropped by the copy).
+// Output tile of its own: thread 0 goes on (`store_pending`: its stores may still read the panels)
+// and waits before the next tile rewrites them. Output over the V stages: writing waits for every
+// warp's last P V, and thread 0 hands the stages back to the producer as soon as its stores have
+// read them (the next tile's V loads wait for that).
+template <class Tl, bool kBf16>
+CF_DEVICE void store_output(const float (&o)[Tl::kORegs], const RowStats& stats, const ConsumerTile& t,
+                            int group, int warp, int lane, u32 o_panels, const PipeState<>& v_state,
+                            const FwdBarriers& bars, const FwdParams& p, bool& store_pending) {
+    constexpr int kPanelBytes = 64 * 128;
+    float inv[2];
+    finish_rows(stats, t.row, lane, t.tile, p, inv);
+    const bool issuer = threadIdx.x % 128 == 0;
+    if (Tl::kOOverV) {
+        const u32 last = v_state.count - 1;  // the tile's last P V read this V stage
+        mbarrier_wait(bars.v_empty(last % kStages), (last / kStages) & 1);
+    } else {
+        if (issuer && store_pending) bulk_wait_read<0>();
+        output_barrier(group);
+    }
+    // Lane l addresses row l % 8 of block l / 8: blocks 0 and 1 are rows 0-7 and 8-15 of the warp
+    // at columns 8j, blocks 2 and 3 the same rows at 8 (j + 1).
+    const int block = lane / 8, row = 16 * warp + 8 * (block % 2) + lane % 8;
+#pragma unroll
+    for (int j = 0; j < Tl::kORegs / 4; j += 2) {
+        u32 r[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int at = 4 * (j + i / 2) + 2 * (i % 2);  // block i: rows i % 2, columns of j + i / 2
+            r[i] = Element16<kBf16>::pack(o[at] * inv[i % 2], o[at + 1] * inv[i % 2]);
+        }
+        stmatrix_x4(o_panels + (j / 8) * kPanelBytes + swizzled_chunk(row, j % 8 + block / 2), r);
+    }
+    fence_proxy_async_smem();  // the stmatrix writes, before the TMA (async proxy) reads them
+    output_barrier(group);
+    if (issuer) {
+#pragma unroll
+        for (int panel = 0; panel < Tl::kPanels; ++panel)
+            tma_store_4d(&p.o_map, o_panels + panel * kPanelBytes, panel * 64, t.tile.m_block * Tl::kBlockM + group * 64,
+                         t.tile.head, t.tile.batch);
+        bulk_commit();
+        store_pending = true;
+        if (Tl::kOOverV) {
+            bulk_wait_read<0>();
+            mbarrier_arrive(bars.o_empty());
+            store_pending = false;
+        }
+    }
+}
+
 // The consumer warpgroup's walk. Per tile, key blocks go from the last to the first: S of the last
 // block alone, then S of block n while P[n+1] V[n+1] accumulates, then P[0] V[0] alone, then the
 // epilogue. With two Q stages the tile boundary is one step like the others: the next tile's first
-// S runs with this tile's last P V, and the epilogue follows while nothing waits on it.
+// S runs with this tile's last P V, and the epilogue follows while nothing waits on it. The
+// epilogue's TMA stores run on while the next tile starts.
 template <class Tl, bool kCausal, bool kBf16>
 CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, int group) {
     constexpr int kBlockN = Tl::kBlockN, kORegs = Tl::kORegs;
@@ -445,6 +541,15 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
     auto release_q = [&]() {
         release(bars.q_empty(q_state.stage()), lane);
         q_state.advance();
+    };
+    // store_pending: thread 0's last TMA stores may still read the group's panels of the output tile.
+    bool store_pending = false;
+    auto store_tile = [&](const ConsumerTile& t) {
+        const u32 o_panels = smem + Tl::kO + group * Tl::kPanels * 64 * 128;
+        if (Tl::kStoreThroughSmem && t.n_blocks > 0)
+            store_output<Tl, kBf16>(o, stats, t, group, warp, lane, o_panels, v_state, bars, p, store_pending);
+        else
+            store_rows<kORegs, kBf16>(o, stats, t.row, lane, t.tile, p);
     };
     // S of a tile's last key block alone (nothing to overlap it with), folded into fresh statistics.
     auto first_block = [&](const ConsumerTile& t) {
@@ -507,7 +612,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
             if (next.n_blocks == 1) release_q();
             fold_block<Tl, kCausal>(s, next.n_blocks - 1, next.tile.m_block, next.row, lane, next_stats, scale, p);
             finish_values();
-            store_rows<kORegs, kBf16>(o, stats, cur.row, lane, cur.tile, p);
+            store_tile(cur);
             stats = next_stats;
 #pragma unroll
             for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
@@ -525,7 +630,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
                 release(bars.v_empty(v_state.stage()), lane);
                 v_state.advance();
             }
-            store_rows<kORegs, kBf16>(o, stats, cur.row, lane, cur.tile, p);
+            store_tile(cur);
             stats = RowStats();
 #pragma unroll
             for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
@@ -533,6 +638,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         }
         cur = next;
     }
+    if (store_pending) bulk_wait_read<0>();  // shared memory must outlive the last stores' reads
 }
 
 template <int kHeadDim, int kBlockN, int kGroups, bool kCausal, bool kBf16>
@@ -546,6 +652,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim, kBlockN, kGroups>::kThreads,
     if (threadIdx.x == 0) {
         mbarrier_init(bars.tile_full(), 1);
         mbarrier_init(bars.tile_empty(), 32 * Tl::kConsumerWarps);
+        mbarrier_init(bars.o_empty(), Tl::kGroups);
         for (int s = 0; s < Tl::kQStages; ++s) {
             mbarrier_init(bars.q_full(s), 1);
             mbarrier_init(bars.q_empty(s), Tl::kConsumerWarps);

@@ -106,6 +106,15 @@ CF_DEVICE void tma_load_4d(u32 dst, const TensorMap* map, u32 bar, int c0, int c
         : "memory");
 }
 
+// ---- TMA: a tensor tile shared -> global, one bulk group of the issuing thread -------------------
+// Writes outside the map's sizes are dropped (partial tiles at the sequence end or the head dim).
+// The shared-memory writes must be ordered before it by fence_proxy_async_smem; the source may be
+// rewritten once bulk_wait_read (common/ptx.cuh) says the copy has read it.
+CF_DEVICE void tma_store_4d(const TensorMap* map, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+                 :: "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src) : "memory");
+}
+
 // ---- bulk copy global -> shared (no tensor map), completing on an mbarrier ----------------------
 // `bytes` (a multiple of 16, from a 16-byte aligned address) into shared memory at dst; bar expects them.
 CF_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
@@ -146,6 +155,9 @@ CF_DEVICE u64 smem_descriptor(u32 saddr, u32 leading_bytes, u32 stride_bytes) {
     return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)((leading_bytes & 0x3FFFF) >> 4) << 16) |
            ((u64)((stride_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
+
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in such a panel.
+CF_DEVICE u32 swizzled_chunk(int row, int chunk) { return row * 128 + ((chunk ^ (row % 8)) * 16); }
 
 // ---- register reallocation and named barriers --------------------------------------------------
 template <int kRegs>

@@ -27,9 +27,9 @@ MAX_HEAD_DIM = 256
 SMEM_LIMIT = 227 * 1024
 #: CUFLASH2_HANG_CHECK=1 runs the debug build, whose barrier waits trap after 4 s instead of hanging.
 HANG_CHECK_VARIABLE = "CUFLASH2_HANG_CHECK"
-# FwdParams (flash_fwd_sm90.cu): 3 maps, o, lse, tile counter, 5 i64 strides, 9 ints, scale_log2,
-# padding to 512.
-PARAMS = struct.Struct("<128s128s128sQQQqqqqqiiiiiiiiif24x")
+# FwdParams (flash_fwd_sm90.cu): 4 maps (q, k, v, out), out, lse, tile counter, 5 i64 strides, 9 ints,
+# scale_log2, padding to 640.
+PARAMS = struct.Struct("<128s128s128s128sQQQqqqqqiiiiiiiiif24x")
 L2_SECTION_BYTES = 32 << 20  # causal tile order: K and V of one section of heads fit in L2
 
 
@@ -65,9 +65,24 @@ class WgmmaFwdConfig:
         return 2 if self.panels == 1 else 1
 
     @property
+    def output_over_v(self) -> bool:
+        """Whether the output tile is staged over the V stages (FwdTile::kOOverV): no room beside them."""
+        return self._bytes_before_output() + self._output_bytes() + 128 + 1024 > SMEM_LIMIT
+
+    @property
     def smem_bytes(self) -> int:
-        """Q tiles + STAGES K and V blocks (128-byte rows per 64 columns) + barriers + alignment slack."""
-        return (self.q_stages * self.block_m + 2 * STAGES * self.block_n) * 128 * self.panels + 128 + 1024
+        """Q tiles + STAGES K and V blocks (128-byte rows per 64 columns) + the output tile unless it
+        lies over V + barriers + alignment slack."""
+        output = 0 if self.output_over_v else self._output_bytes()
+        return self._bytes_before_output() + output + 128 + 1024
+
+    def _bytes_before_output(self) -> int:
+        return (self.q_stages * self.block_m + 2 * STAGES * self.block_n) * 128 * self.panels
+
+    def _output_bytes(self) -> int:
+        """The output tile the epilogue stages for its TMA stores (FwdTile::kStoreThroughSmem: above
+        head dim 64; up to 64 the output goes from registers to global memory)."""
+        return self.block_m * 128 * self.panels if self.panels > 1 else 0
 
     def template_name(self) -> str:
         return (f"flash_fwd_sm90<{self.head_dim}, {self.block_n}, {self.groups}, {cpp_bool(self.causal)}, "
@@ -172,7 +187,8 @@ def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig):
     def build(addresses) -> tuple:
         q_at, k_at, v_at, out_at, lse_at, counter_at = addresses
         return (_map(q, q_at, block_m, b, sq, h, d), _map(k, k_at, block_n, b, sk, hk, d),
-                _map(v, v_at, block_n, b, sk, hk, d), out_at, lse_at, counter_at or 0) + scalars
+                _map(v, v_at, block_n, b, sk, hk, d), _map(out, out_at, GROUP_ROWS, b, sq, h, d), out_at, lse_at,
+                counter_at or 0) + scalars
 
     return build
 
