@@ -22,26 +22,42 @@ def test_tiles_fit_shared_memory_and_cover_every_head_dim():
             assert config in wgmma_fwd.all_configs()
 
 
-def test_the_output_tile_is_staged_beside_v_up_to_head_dim_128_and_over_it_above():
-    """Above head dim 64 the epilogue's output tile (one TMA store per warpgroup and 64-column
-    panel) has shared memory of its own where Q, K and V leave room for it, and lies over the V
-    stages (which must then hold it) above head dim 128; up to 64 the output needs none."""
+def test_short_calls_above_head_dim_64_stage_the_output_beside_v_up_to_128_and_over_it_above(monkeypatch):
+    """Short calls above head dim 64 send the output through shared memory and TMA stores: a tile
+    of its own where Q, K and V leave room for it (up to head dim 128), else over the V stages
+    (which must then hold it). Long or unknown lengths and head dims up to 64 store from registers
+    and take no shared memory for it; both kinds are compiled by the gate."""
+    short, long = wgmma_fwd.SHORT_SEQLEN, wgmma_fwd.SHORT_SEQLEN + 1
     for d in range(16, 257, 16):
         for causal in (False, True):
-            config = wgmma_fwd.forward_config(d, "bfloat16", causal)
-            output = config.block_m * 128 * config.panels if d > 64 else 0
-            kv = 2 * wgmma_fwd.STAGES * config.block_n * 128 * config.panels
-            q = config.q_stages * config.block_m * 128 * config.panels
-            assert config.output_over_v == (d > 128), config
-            assert config.smem_bytes == q + kv + (0 if config.output_over_v else output) + 128 + 1024
-            assert not config.output_over_v or output <= kv // 2, config
+            for seqlen in (short, long, None):
+                config = wgmma_fwd.forward_config(d, "bfloat16", causal, seqlen=seqlen)
+                assert config.staged_output == (d > 64 and seqlen == short), config
+                assert config in wgmma_fwd.all_configs()
+                output = config.block_m * 128 * config.panels if config.staged_output else 0
+                kv = 2 * wgmma_fwd.STAGES * config.block_n * 128 * config.panels
+                q = config.q_stages * config.block_m * 128 * config.panels
+                assert config.output_over_v == (config.staged_output and d > 128), config
+                assert config.smem_bytes == q + kv + (0 if config.output_over_v else output) + 128 + 1024
+                assert not config.output_over_v or output <= kv // 2, config
+    chosen = []
+    monkeypatch.setattr(wgmma_fwd.launcher, "launch_struct_kernel",
+                        lambda config, device_id, stream, grid, arguments: chosen.append(config))
+    monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 132)
+    for seqlen_q, seqlen_k, staged in ((512, 512, True), (1024, 300, True), (512, 4096, False), (2048, 512, False)):
+        problem = AttentionProblem(AttentionShape(1, seqlen_q, seqlen_k, 4, 4, 128, "bfloat16", 0.1), False)
+        q, kv = (contiguous_info((1, s, 4, 128), "bfloat16", 2, "cuda:0", 1 << 20) for s in (seqlen_q, seqlen_k))
+        lse = contiguous_info((1, 4, seqlen_q), "float32", 4, "cuda:0", 1 << 20)
+        monkeypatch.setattr(wgmma_fwd.tensor_maps, "encode_tiled", lambda *args, **kwargs: bytes(128))
+        wgmma_fwd.forward(problem, q, kv, kv, q, lse, 0, None)
+        assert chosen[-1].staged_output == staged, (seqlen_q, seqlen_k)
 
 
 def test_short_causal_calls_at_small_head_dims_take_two_warpgroups(monkeypatch):
     """Up to head dim 64 the forward runs three consumer warpgroups (192 query rows), except on
     causal calls whose query and key lengths are both short, where a 128-row tile wastes less of
     each row on the masked diagonal; both tiles are compiled by the gate."""
-    short, long = wgmma_fwd.SHORT_CAUSAL_SEQLEN, wgmma_fwd.SHORT_CAUSAL_SEQLEN + 1
+    short, long = wgmma_fwd.SHORT_SEQLEN, wgmma_fwd.SHORT_SEQLEN + 1
     assert wgmma_fwd.forward_config(64, "bfloat16", True, seqlen=short).groups == 2
     assert wgmma_fwd.forward_config(64, "bfloat16", True, seqlen=long).groups == 3
     assert wgmma_fwd.forward_config(64, "bfloat16", True).groups == 3  # length unknown
@@ -236,7 +252,7 @@ def test_a_replay_rebuilds_the_parameter_struct_for_new_addresses(monkeypatch):
     addresses = [(i + 1) << 32 for i in range(5)]
     recording.run(addresses, 77, scratch_base=0xABC000)
     (grid, threads, smem, stream, fields), = sent
-    config = wgmma_fwd.forward_config(128, "bfloat16", True)
+    config = wgmma_fwd.forward_config(128, "bfloat16", True, seqlen=256)
     assert grid == (16, 1, 1) and threads == config.threads and smem == config.smem_bytes and stream == 77
     maps = [int.from_bytes(m[:8], "little") for m in fields[:4]]  # q, k, v and the output's store map
     assert maps == addresses[:4] and list(fields[4:7]) == [addresses[3], addresses[4], 0xABC000]

@@ -64,28 +64,32 @@ def test_the_hopper_forward_runs_and_matches(ran, head_dim, seqlens, causal, dty
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads, heads_kv", [(16, 4), (8, 1)])
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
-def test_gqa_and_many_tiles_per_cta(ran, head_dim, heads, heads_kv, causal):
-    """More tiles than SMs (the persistent walk and, causal, the tile counter), grouped heads; above
-    head dim 128 each tile's output goes through the V stages before the next tile's V loads."""
+@pytest.mark.parametrize("seqlen", [1000, 1500])
+def test_gqa_and_many_tiles_per_cta(ran, seqlen, head_dim, heads, heads_kv, causal):
+    """More tiles than SMs (the persistent walk and, causal, the tile counter), grouped heads; at
+    1000 rows (a short call) above head dim 128 each tile's output goes through the V stages before
+    the next tile's V loads."""
     import cupy as cp
 
-    q, k, v = make_inputs(cp, 3, 1500, 1500, heads, heads_kv, head_dim, "bf16",
-                          stable_seed("wgmma-gqa", head_dim, heads, heads_kv, causal))
+    q, k, v = make_inputs(cp, 3, seqlen, seqlen, heads, heads_kv, head_dim, "bf16",
+                          stable_seed("wgmma-gqa", head_dim, heads, heads_kv, causal, seqlen))
     check_forward(cp, q, k, v, causal)
     assert ran["wgmma"] == 1
 
 
 @hopper_only
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_causal_tiles_that_see_no_key(ran, head_dim):
+@pytest.mark.parametrize("sq, sk", [(2048, 128), (1024, 100)])
+def test_causal_tiles_that_see_no_key(ran, head_dim, sq, sk):
     """seqlen_q far above seqlen_k, causal: most query tiles see no key (no loads; O = 0 and LSE =
-    +inf) while the tile schedule goes on, with more tiles than SMs."""
+    +inf) while the tile schedule goes on, with more tiles than SMs (short calls: between tiles
+    whose output is staged in shared memory)."""
     import cupy as cp
 
-    q, k, v = make_inputs(cp, 8, 2048, 128, 16, 4, head_dim, "bf16", stable_seed("wgmma-empty", head_dim))
+    q, k, v = make_inputs(cp, 8, sq, sk, 16, 4, head_dim, "bf16", stable_seed("wgmma-empty", head_dim, sq))
     out, lse = check_forward(cp, q, k, v, True)
-    assert bool((out[:, :2048 - 128].astype(cp.float32) == 0).all())
-    assert bool(cp.isinf(lse[:, :, :2048 - 128]).all())
+    assert bool((out[:, :sq - sk].astype(cp.float32) == 0).all())
+    assert bool(cp.isinf(lse[:, :, :sq - sk]).all())
     assert ran["wgmma"] == 1
 
 

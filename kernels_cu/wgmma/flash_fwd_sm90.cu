@@ -8,9 +8,9 @@
 // accumulator layout is the A-operand layout). Within a warpgroup the next block's Q K^T runs while
 // the softmax of the current one is computed; across warpgroups the MMA issue goes round in turn
 // (named barriers), so the tensor cores work for one warpgroup while the others do their softmax.
-// Above head dim 64 each warpgroup writes its normalised O rows into shared memory (stmatrix, the
-// swizzled layout the TMA reads) and one thread stores them with a TMA copy that runs while the
-// next tile starts.
+// On short calls above head dim 64 (kStagedOutput) each warpgroup writes its normalised O rows into
+// shared memory (stmatrix, the swizzled layout the TMA reads) and one thread stores them with a TMA
+// copy that runs while the next tile starts; otherwise the rows go from registers to global memory.
 //
 // Key blocks are visited from the last to the first, so the blocks that need masking (the sequence
 // tail, the causal diagonal) come first and the rest run without mask arithmetic.
@@ -43,7 +43,7 @@ enum : int { kTurnBarrier0 = 1 };  // named barrier ids kTurnBarrier0 + group: t
 // mbarriers. Two Q tiles at head dims up to 64 let the next tile's first Q K^T run with
 // the current tile's last P V (see consume): +1-7% there on an H200, -3..+3% at head dim 128, so
 // head dims above 64 keep one.
-template <int kHeadDim_, int kBlockN_, int kGroups_>
+template <int kHeadDim_, int kBlockN_, int kGroups_, bool kStagedOutput_>
 struct FwdTile {
     static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kGroups = kGroups_;
     static constexpr int kBlockM = 64 * kGroups;
@@ -64,10 +64,13 @@ struct FwdTile {
     static constexpr int kKVBytes = kBlockN * 128 * kPanels;
     static constexpr int kK = kQStages * kQBytes;
     static constexpr int kV = kK + kStages * kKVBytes;
-    // The output goes through shared memory and TMA stores above head dim 64 (store_output); up to
-    // 64, where the next tile's first S already runs beside the epilogue (two Q tiles), registers
-    // straight to global memory measured 3-6% faster (store_rows).
-    static constexpr bool kStoreThroughSmem = kPanels > 1;
+    // The output through shared memory and TMA stores (store_output), or from registers straight to
+    // global memory (store_rows). The host stages it on short calls above head dim 64, where the
+    // epilogue is a large part of a tile (H200, 512 keys: +10-16%); on long calls the direct stores
+    // measured 4-5% faster at head dims 128 (causal) and 256, and at head dim 64, where the next
+    // tile's first S already runs beside the epilogue (two Q tiles), 3-6% faster at every length.
+    static constexpr bool kStoreThroughSmem = kStagedOutput_;
+    static_assert(!kStagedOutput_ || kPanels > 1, "the output is staged above head dim 64 only");
     static constexpr int kOBytes = kStoreThroughSmem ? kBlockM * 128 * kPanels : 0;  // 64-column panels per group
     // Above head dim 128 the output tile does not fit beside Q, K and V: it is staged over the V
     // stages, which the tile's last P V has read (every warp's, see store_output), and the producer
@@ -433,8 +436,8 @@ CF_DEVICE void finish_rows(const RowStats& stats, const int (&row)[2], int lane,
     }
 }
 
-// O normalised and stored from registers (pairs of columns, 4-byte stores): up to head dim 64, and
-// for tiles that see no key at all (causal, more queries than keys: O = 0 and LSE = +inf).
+// O normalised and stored from registers (pairs of columns, 4-byte stores): when the output is not
+// staged, and for tiles that see no key at all (causal, more queries than keys: O = 0, LSE = +inf).
 template <int kRegs, bool kBf16>
 CF_DEVICE void store_rows(const float (&o)[kRegs], const RowStats& stats, const int (&row)[2], int lane,
                           const Tile& tile, const FwdParams& p) {
@@ -641,10 +644,10 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
     if (store_pending) bulk_wait_read<0>();  // shared memory must outlive the last stores' reads
 }
 
-template <int kHeadDim, int kBlockN, int kGroups, bool kCausal, bool kBf16>
-__global__ void __launch_bounds__(FwdTile<kHeadDim, kBlockN, kGroups>::kThreads, 1)
+template <int kHeadDim, int kBlockN, int kGroups, bool kCausal, bool kBf16, bool kStagedOutput>
+__global__ void __launch_bounds__(FwdTile<kHeadDim, kBlockN, kGroups, kStagedOutput>::kThreads, 1)
     flash_fwd_sm90(const __grid_constant__ FwdParams p) {
-    using Tl = FwdTile<kHeadDim, kBlockN, kGroups>;
+    using Tl = FwdTile<kHeadDim, kBlockN, kGroups, kStagedOutput>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // 128-byte swizzled TMA tiles need 1024-byte aligned destinations.
     const u32 smem = (smem_addr(smem_raw) + 1023) & ~1023u;

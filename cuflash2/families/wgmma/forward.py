@@ -44,6 +44,7 @@ class WgmmaFwdConfig:
     causal: bool
     dtype: str
     hang_check: bool = False  # debug build: mbarrier waits trap after a bounded spin
+    staged_output: bool = False  # the epilogue through shared memory and TMA stores (short calls, d > 64)
 
     source_file = SOURCE
 
@@ -80,17 +81,17 @@ class WgmmaFwdConfig:
         return (self.q_stages * self.block_m + 2 * STAGES * self.block_n) * 128 * self.panels
 
     def _output_bytes(self) -> int:
-        """The output tile the epilogue stages for its TMA stores (FwdTile::kStoreThroughSmem: above
-        head dim 64; up to 64 the output goes from registers to global memory)."""
-        return self.block_m * 128 * self.panels if self.panels > 1 else 0
+        """The output tile the epilogue stages for its TMA stores (none when the output goes from
+        registers to global memory)."""
+        return self.block_m * 128 * self.panels if self.staged_output else 0
 
     def template_name(self) -> str:
         return (f"flash_fwd_sm90<{self.head_dim}, {self.block_n}, {self.groups}, {cpp_bool(self.causal)}, "
-                f"{cpp_bool(self.dtype == 'bfloat16')}>")
+                f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.staged_output)}>")
 
     def short_id(self) -> str:
         return (f"wgmma_fwd_d{self.head_dim}_m{self.block_m}_n{self.block_n}_{'causal' if self.causal else 'full'}_"
-                f"{SHORT_DTYPE[self.dtype]}{'_hangcheck' if self.hang_check else ''}")
+                f"{SHORT_DTYPE[self.dtype]}{'_staged' if self.staged_output else ''}{'_hangcheck' if self.hang_check else ''}")
 
     def compile_options(self) -> tuple[str, ...]:
         return sm90a_options(self.hang_check)
@@ -106,26 +107,29 @@ def sm90a_options(hang_check: bool = False) -> tuple[str, ...]:
     return ("-arch=sm_90a",) + (("-DCF_HANG_CHECK",) if hang_check else ())
 
 
-#: Causal calls with query and key lengths up to this many rows take two consumer warpgroups at head
-#: dims up to 64 too: a 192-row tile spends a larger part of a short causal row on the masked
-#: diagonal and on rows past the end (d64 causal, 512: 208 -> 231 TFLOP/s, 1k: 273 -> 304; three
-#: groups win again from 2k: 376 against 360).
-SHORT_CAUSAL_SEQLEN = 1024
+#: Calls with query and key lengths up to this many rows are short: causal ones take two consumer
+#: warpgroups at head dims up to 64 too (a 192-row tile spends a larger part of a short causal row
+#: on the masked diagonal and on rows past the end: d64 causal, 512: 208 -> 231 TFLOP/s, 1k: 273 ->
+#: 304; three groups win again from 2k: 376 against 360), and above head dim 64 the output goes
+#: through shared memory and TMA stores (d128 / d256 at 512: +10% / +14-16%, at 1k +5% / +4-11%;
+#: from 2k the same or 3-5% slower than stores from registers).
+SHORT_SEQLEN = 1024
 #: One length of each class forward_config tells apart (None: long or unknown).
-SEQLEN_CLASSES = (None, SHORT_CAUSAL_SEQLEN)
+SEQLEN_CLASSES = (None, SHORT_SEQLEN)
 
 
 def forward_config(head_dim: int, dtype: str, causal: bool, hang_check: bool = False,
                    seqlen: int | None = None) -> WgmmaFwdConfig:
     """The tile for a call: three consumer warpgroups (192 query rows) up to head dim 64, where their
     160 registers each hold S, P and O, except on short causal calls (`seqlen`: the longer of the
-    query and key lengths, see SHORT_CAUSAL_SEQLEN); two (128 rows, 240 registers) above. Key blocks
-    as wide as shared memory (Q tile + two stages of K and V) and registers allow."""
+    query and key lengths, see SHORT_SEQLEN); two (128 rows, 240 registers) above. Key blocks
+    as wide as shared memory (Q tile + two stages of K and V) and registers allow. Short calls above
+    head dim 64 stage the output for TMA stores."""
     padded = -(-head_dim // 16) * 16
-    short_causal = causal and seqlen is not None and seqlen <= SHORT_CAUSAL_SEQLEN
-    groups = 3 if padded <= 64 and not short_causal else 2
+    short = seqlen is not None and seqlen <= SHORT_SEQLEN
+    groups = 3 if padded <= 64 and not (causal and short) else 2
     block_n = 128 if padded <= 128 else 96 if padded <= 192 else 80
-    return WgmmaFwdConfig(padded, block_n, groups, causal, dtype, hang_check)
+    return WgmmaFwdConfig(padded, block_n, groups, causal, dtype, hang_check, staged_output=short and padded > 64)
 
 
 def all_configs() -> list[WgmmaFwdConfig]:
