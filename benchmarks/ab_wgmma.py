@@ -79,10 +79,10 @@ def main():
 
 def compare(d: int, args) -> None:
     dtype = getattr(torch, args.dtype)
-    default = wgmma.forward_config(d, args.dtype, args.causal)
-    tiles = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",") if t] or [(default.block_n, default.groups)]
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     for s in map(int, args.seqlen.split(",")):
+        default = wgmma.forward_config(d, args.dtype, args.causal, seqlen=s)  # what a call of this length runs
+        tiles = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",") if t] or [(default.block_n, default.groups)]
         b, h = max(1, 16384 // s), 2048 // d
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
         out = torch.empty_like(q)
