@@ -75,7 +75,7 @@ struct FwdTile {
     // Above head dim 128 the output tile does not fit beside Q, K and V: it is staged over the V
     // stages, which the tile's last P V has read (every warp's, see store_output), and the producer
     // loads the next tile's V once the TMA store has read it (FwdBarriers::o_empty).
-    static constexpr bool kOOverV = kV + kStages * kKVBytes + kOBytes + 128 + 1024 > 227 * 1024;
+    static constexpr bool kOOverV = kStoreThroughSmem && kV + kStages * kKVBytes + kOBytes + 128 + 1024 > 227 * 1024;
     static_assert(!kOOverV || kOBytes <= kStages * kKVBytes, "the output tile fits over the V stages");
     static constexpr int kO = kOOverV ? kV : kV + kStages * kKVBytes;
     static constexpr int kBarriers = kOOverV ? kV + kStages * kKVBytes : kO + kOBytes;

@@ -1,7 +1,8 @@
 """The Hopper forward (kernels_cu/wgmma/flash_fwd_sm90.cu): tiles, what it runs, launch.
 
 The kernel is compiled for sm_90a (wgmma and setmaxnreg exist only there) and takes one by-value
-parameter struct holding three TMA tensor maps and the scalars. Calls it does not run go to the
+parameter struct holding four TMA tensor maps (q, k, v, and the output's for the TMA stores of
+short calls) and the scalars. Calls it does not run go to the
 next family (mma_sync).
 """
 
@@ -68,7 +69,7 @@ class WgmmaFwdConfig:
     @property
     def output_over_v(self) -> bool:
         """Whether the output tile is staged over the V stages (FwdTile::kOOverV): no room beside them."""
-        return self._bytes_before_output() + self._output_bytes() + 128 + 1024 > SMEM_LIMIT
+        return self.staged_output and self._bytes_before_output() + self._output_bytes() + 128 + 1024 > SMEM_LIMIT
 
     @property
     def smem_bytes(self) -> int:
