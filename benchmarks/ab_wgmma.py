@@ -8,7 +8,8 @@ into forward_config. Needs an sm_90 GPU and torch. Example:
 
 --baseline FILE also times each tile built from another version of the kernel source (a copy
 placed under kernels_cu/, e.g. kernels_cu/wgmma/flash_fwd_sm90_base.cu from `git show`), so that
-a kernel change is judged against the code before it in the same process:
+a kernel change is judged against the code before it in the same process (--rounds N times every
+variant N times in turn: the clocks drift by several percent over a run):
 
     git show HEAD~1:kernels_cu/wgmma/flash_fwd_sm90.cu > kernels_cu/wgmma/flash_fwd_sm90_base.cu
     python benchmarks/ab_wgmma.py --baseline wgmma/flash_fwd_sm90_base.cu --head-dim 64,128,256
@@ -53,6 +54,20 @@ def tflops(fn, flops: float, rounds: int = 5) -> float:
     return flops / statistics.median(times) / 1e9
 
 
+def timed_in_turn(runs, flops: float, rounds: int) -> str:
+    """Each (label, fn) of `runs` timed once per round, in turn, so that clock drift over the run
+    reaches every variant alike: the median round per label, and the range when rounds > 1."""
+    results = {label: [] for label, _ in runs}
+    for _ in range(rounds):
+        for label, fn in runs:
+            results[label].append(tflops(fn, flops))
+    cells = []
+    for label, values in results.items():
+        spread = f" ({min(values):.0f}-{max(values):.0f})" if rounds > 1 else ""
+        cells.append(f"{label} {statistics.median(values):6.1f}{spread}")
+    return " | ".join(cells)
+
+
 def with_source(config, source_file: str):
     """`config` built from another kernel source file (a subclass: its kernels are cached apart)."""
 
@@ -72,6 +87,7 @@ def main():
     parser.add_argument("--seqlen", default="512,2048,16384", help="comma list; batch = 16384 // seqlen")
     parser.add_argument("--tiles", default="", help="comma list of BLOCKNxGROUPS (default: forward_config's)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=1, help="times every variant once per round, in turn")
     args = parser.parse_args()
     for d in map(int, args.head_dim.split(",")):
         compare(d, args)
@@ -82,7 +98,8 @@ def compare(d: int, args) -> None:
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     for s in map(int, args.seqlen.split(",")):
         default = wgmma.forward_config(d, args.dtype, args.causal, seqlen=s)  # what a call of this length runs
-        tiles = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",") if t] or [(default.block_n, default.groups)]
+        tiles = ([tuple(map(int, t.split("x"))) for t in args.tiles.split(",") if t]
+                 or [(default.block_n, default.groups)])
         b, h = max(1, 16384 // s), 2048 // d
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
         out = torch.empty_like(q)
@@ -96,14 +113,15 @@ def compare(d: int, args) -> None:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
 
-        line = f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: cuDNN {tflops(cudnn, flops):6.1f}"
+        runs = [("cuDNN", cudnn)]
         for block_n, groups in tiles:
             config = dataclasses.replace(default, block_n=block_n, groups=groups)
             variants = [("", config)] + ([("base ", with_source(config, args.baseline))] if args.baseline else [])
             for label, variant in variants:
-                run = lambda: wgmma.forward(problem, *infos, 0, stream, config=variant)  # noqa: E731
-                line += f" | {label}n{block_n} g{groups} {tflops(run, flops):6.1f}"
-        print(line + " TFLOP/s", flush=True)
+                runs.append((f"{label}n{block_n} g{groups}",
+                             lambda variant=variant: wgmma.forward(problem, *infos, 0, stream, config=variant)))
+        print(f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: {timed_in_turn(runs, flops, args.rounds)} TFLOP/s",
+              flush=True)
 
 
 if __name__ == "__main__":

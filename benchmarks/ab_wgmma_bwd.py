@@ -16,7 +16,7 @@ import math
 import cupy as cp
 import torch
 import torch.nn.functional as F
-from ab_wgmma import info, tflops, with_source  # the forward's A/B helpers (run from benchmarks/)
+from ab_wgmma import info, timed_in_turn, with_source  # the forward's A/B helpers (run from benchmarks/)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cuflash2
@@ -35,6 +35,7 @@ def main():
     parser.add_argument("--deterministic", action="store_true", help="also time deterministic=True's kernel")
     parser.add_argument("--baseline", default="",
                         help="comma list of kernel sources (relative to kernels_cu/) to compare with")
+    parser.add_argument("--rounds", type=int, default=1, help="times every variant once per round, in turn")
     args = parser.parse_args()
     d, dtype = args.head_dim, getattr(torch, args.dtype)
     h = 2048 // d  # FA2's grid: model dim 2048
@@ -58,8 +59,7 @@ def main():
                                                         enable_gqa=hk != h).transpose(1, 2)
             return lambda: torch.autograd.grad(result, leaves, dout, retain_graph=True)
 
-        line = (f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: cuDNN {tflops(sdpa(SDPBackend.CUDNN_ATTENTION), flops):6.1f}"
-                f" | FA2 {tflops(sdpa(SDPBackend.FLASH_ATTENTION), flops):6.1f}")
+        runs = [("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION)), ("FA2", sdpa(SDPBackend.FLASH_ATTENTION))]
         config = wgmma_bwd.WgmmaBwdConfig(d, args.causal, args.dtype, hk != h)
         variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
                                      for source in filter(None, args.baseline.split(","))]
@@ -67,10 +67,12 @@ def main():
             variants += [(label + "deterministic ", dataclasses.replace(variant, deterministic=True))
                          for label, variant in variants]
         for label, variant in variants:
-            run = lambda: wgmma_bwd.backward(problem, *infos, 0, stream, config=variant)  # noqa: E731
-            with stream:  # its scratch (CuPy's pool) on the same stream
-                line += f" | {label}wgmma {tflops(run, flops):6.1f}"
-        print(line + " TFLOP/s", flush=True)
+            def run(variant=variant):
+                with stream:  # its scratch (CuPy's pool) on the same stream
+                    wgmma_bwd.backward(problem, *infos, 0, stream, config=variant)
+            runs.append((f"{label}wgmma", run))
+        print(f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: {timed_in_turn(runs, flops, args.rounds)} TFLOP/s",
+              flush=True)
 
 
 if __name__ == "__main__":
