@@ -69,13 +69,13 @@ struct FwdTile {
     // epilogue is a large part of a tile (H200, 512 keys: +10-16%); on long calls the direct stores
     // measured 4-5% faster at head dims 128 (causal) and 256, and at head dim 64, where the next
     // tile's first S already runs beside the epilogue (two Q tiles), 3-6% faster at every length.
-    static constexpr bool kStoreThroughSmem = kStagedOutput_;
-    static_assert(!kStagedOutput_ || kPanels > 1, "the output is staged above head dim 64 only");
-    static constexpr int kOBytes = kStoreThroughSmem ? kBlockM * 128 * kPanels : 0;  // 64-column panels per group
+    static constexpr bool kStagedOutput = kStagedOutput_;
+    static_assert(!kStagedOutput || kPanels > 1, "the output is staged above head dim 64 only");
+    static constexpr int kOBytes = kStagedOutput ? kBlockM * 128 * kPanels : 0;  // 64-column panels per group
     // Above head dim 128 the output tile does not fit beside Q, K and V: it is staged over the V
     // stages, which the tile's last P V has read (every warp's, see store_output), and the producer
     // loads the next tile's V once the TMA store has read it (FwdBarriers::o_empty).
-    static constexpr bool kOOverV = kStoreThroughSmem && kV + kStages * kKVBytes + kOBytes + 128 + 1024 > 227 * 1024;
+    static constexpr bool kOOverV = kStagedOutput && kV + kStages * kKVBytes + kOBytes + 128 + 1024 > 227 * 1024;
     static_assert(!kOOverV || kOBytes <= kStages * kKVBytes, "the output tile fits over the V stages");
     static constexpr int kO = kOOverV ? kV : kV + kStages * kKVBytes;
     static constexpr int kBarriers = kOOverV ? kV + kStages * kKVBytes : kO + kOBytes;
@@ -549,7 +549,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
     bool store_pending = false;
     auto store_tile = [&](const ConsumerTile& t) {
         const u32 o_panels = smem + Tl::kO + group * Tl::kPanels * 64 * 128;
-        if (Tl::kStoreThroughSmem && t.n_blocks > 0)
+        if (Tl::kStagedOutput && t.n_blocks > 0)
             store_output<Tl, kBf16>(o, stats, t, group, warp, lane, o_panels, v_state, bars, p, store_pending);
         else
             store_rows<kORegs, kBf16>(o, stats, t.row, lane, t.tile, p);

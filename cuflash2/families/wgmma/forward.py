@@ -92,7 +92,8 @@ class WgmmaFwdConfig:
 
     def short_id(self) -> str:
         return (f"wgmma_fwd_d{self.head_dim}_m{self.block_m}_n{self.block_n}_{'causal' if self.causal else 'full'}_"
-                f"{SHORT_DTYPE[self.dtype]}{'_staged' if self.staged_output else ''}{'_hangcheck' if self.hang_check else ''}")
+                f"{SHORT_DTYPE[self.dtype]}{'_staged' if self.staged_output else ''}"
+                f"{'_hangcheck' if self.hang_check else ''}")
 
     def compile_options(self) -> tuple[str, ...]:
         return sm90a_options(self.hang_check)
@@ -191,9 +192,11 @@ def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig):
 
     def build(addresses) -> tuple:
         q_at, k_at, v_at, out_at, lse_at, counter_at = addresses
+        # The output's map only where the kernel stores through it (a replay re-encodes each map
+        # whose address moved).
+        out_map = _map(out, out_at, GROUP_ROWS, b, sq, h, d) if config.staged_output else bytes(tensor_maps.MAP_BYTES)
         return (_map(q, q_at, block_m, b, sq, h, d), _map(k, k_at, block_n, b, sk, hk, d),
-                _map(v, v_at, block_n, b, sk, hk, d), _map(out, out_at, GROUP_ROWS, b, sq, h, d), out_at, lse_at,
-                counter_at or 0) + scalars
+                _map(v, v_at, block_n, b, sk, hk, d), out_map, out_at, lse_at, counter_at or 0) + scalars
 
     return build
 
