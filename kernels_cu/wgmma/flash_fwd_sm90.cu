@@ -567,7 +567,15 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         k_state.advance();
         if (t.n_blocks == 1) release_q();  // its only Q K^T is done: Q may reload
         fold_block<Tl, kCausal>(s, t.n_blocks - 1, t.tile.m_block, t.row, lane, stats, scale, p);
+        scale[0] = scale[1] = 1.f;  // O is still zero
         pack_probabilities<kBlockN, kBf16>(s, pa);
+    };
+    // O brought to the row maxima of the block folded last (`scale`) before the P V that adds that
+    // block: done while the tensor cores run this step's Q K^T, not between the softmax and the next
+    // turn. Skipped (exact) when no row maximum of the warp moved.
+    auto rescale_output = [&]() {
+        register_fence(o);
+        if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
     };
     // S of the next key block issued with P V of the one before (their K and V stages in order), and
     // the first wait: S complete, its K stage released.
@@ -577,6 +585,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         register_fence(o);
         register_fence(pa);
         issue_scores<Tl, kBf16>(s, q_rows(), k_tiles + k_state.stage() * Tl::kKVBytes);
+        rescale_output();
         mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
         issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
         pass_turn<Tl::kGroups>(group);
@@ -601,8 +610,6 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
             if (n == 0) release_q();  // the tile's last Q K^T is done: Q may reload
             fold_block<Tl, kCausal>(s, n, cur.tile.m_block, cur.row, lane, stats, scale, p);
             finish_values();
-            // Skip (exact): once the row maxima settle, most blocks leave every scale at 1.
-            if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
             pack_probabilities<kBlockN, kBf16>(s, pa);
         }
         walk.receive(bars, round);
@@ -614,6 +621,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
             issue_scores_and_values();
             if (next.n_blocks == 1) release_q();
             fold_block<Tl, kCausal>(s, next.n_blocks - 1, next.tile.m_block, next.row, lane, next_stats, scale, p);
+            scale[0] = scale[1] = 1.f;  // the next tile's O starts at zero
             finish_values();
             store_tile(cur);
             stats = next_stats;
@@ -623,6 +631,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         } else {
             if (cur.n_blocks > 0) {  // P[0] V[0] alone
                 mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
+                rescale_output();
                 take_turn(group);
                 register_fence(o);
                 register_fence(pa);
