@@ -320,7 +320,7 @@ struct RowStats {
 // The row maximum and sum are taken over kChains independent partial results: with two consumer
 // warps per scheduler, a single dependent chain of kN/4 fmax or add steps would leave the issue
 // slots idle for its latency.
-template <int kN>
+template <int kN, bool kMasked>
 CF_DEVICE void softmax_update(float (&s)[kN / 2], RowStats& stats, float (&scale)[2], float scale_log2) {
     constexpr int kColumns = kN / 8, kChains = 4;
 #pragma unroll
@@ -334,7 +334,8 @@ CF_DEVICE void softmax_update(float (&s)[kN / 2], RowStats& stats, float (&scale
         float m = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
         m = fmaxf(m, shfl_xor(m, 1));
         m = fmaxf(m, shfl_xor(m, 2));
-        const float m_scaled = m == -CF_INF ? 0.f : m * scale_log2;  // rows with nothing visible yet
+        // Rows with nothing visible yet (only after a mask: an unmasked block has finite scores).
+        const float m_scaled = kMasked && m == -CF_INF ? 0.f : m * scale_log2;
         // Exactly 1 when the maximum did not move (the exp2 of a fused multiply-add would be 1 only
         // up to rounding), so that the caller can skip rescaling O.
         scale[r] = m == stats.max[r] ? 1.f : fast_exp2(stats.max[r] * scale_log2 - m_scaled);
@@ -355,12 +356,22 @@ CF_DEVICE void softmax_update(float (&s)[kN / 2], RowStats& stats, float (&scale
 
 // The scores of key block n folded into the row statistics: masked first when the block has
 // columns some row must not see (the sequence tail, the causal diagonal).
+//
+// ptxas moves the wait for the P V in flight (consume's finish_values) to the top of its basic
+// block. With the softmax after the mask branch, in that block, the softmax ran after the P V had
+// completed rather than beside it; above head dim 128 the softmax sits in both arms of the branch
+// instead (the wait then follows it): d256 +3-12%, d192 +1-6% (kernel A/B, 512-16k). At d128 it measured
+// -2..+3% and at d64 -2..-8% (512 the worst), where the other warpgroups' GEMMs already fill the
+// tensor cores while one group runs its softmax, so those keep one softmax after the branch.
 template <class Tl, bool kCausal>
 CF_DEVICE void fold_block(float (&s)[Tl::kBlockN / 2], int n_block, int m_block, const int (&row)[2], int lane,
                           RowStats& stats, float (&scale)[2], const FwdParams& p) {
-    if (block_needs_mask<kCausal, Tl::kBlockM, Tl::kBlockN>(n_block, m_block, p))
-        mask_scores<Tl::kBlockN, kCausal>(s, n_block, row, lane, p);
-    softmax_update<Tl::kBlockN>(s, stats, scale, p.scale_log2);
+    const bool masked = block_needs_mask<kCausal, Tl::kBlockM, Tl::kBlockN>(n_block, m_block, p);
+    if (masked) mask_scores<Tl::kBlockN, kCausal>(s, n_block, row, lane, p);
+    if (Tl::kPanels <= 2 || masked)
+        softmax_update<Tl::kBlockN, true>(s, stats, scale, p.scale_log2);
+    else  // unmasked blocks above head dim 128: their own arm (see above), finite scores only
+        softmax_update<Tl::kBlockN, false>(s, stats, scale, p.scale_log2);
 }
 
 template <int kN, bool kBf16>
