@@ -130,6 +130,23 @@ for seqlens in (None, cp.asarray(np.array([0, 140, 333], np.int32))):
         cp.cuda.get_current_stream().synchronize()
         print(f"ok decode d=128 seqlens={'none' if seqlens is None else 'given'} splits={splits}", flush=True)
 
+# Forwards of a few hundred to 1100 rows (on sm_90 the Hopper forward: the staged output of calls up
+# to 1k rows and the register epilogue above, more tiles than SMs, GQA, cross lengths); each call
+# twice, so that the second replays its recorded launch.
+for b, sq, sk, h, hk, d, causal, dtype in [(1, 200, 330, 2, 1, 128, True, ml_dtypes.bfloat16),
+                                           (1, 333, 190, 2, 2, 192, True, ml_dtypes.bfloat16),
+                                           (2, 129, 257, 4, 4, 96, False, np.float16),
+                                           (1, 1100, 1100, 2, 1, 48, True, ml_dtypes.bfloat16),
+                                           (2, 1100, 1100, 8, 2, 256, True, ml_dtypes.bfloat16),
+                                           (2, 1100, 1100, 8, 8, 128, False, np.float16),
+                                           (4, 600, 300, 8, 8, 256, True, np.float16)]:
+    q, k, v = arrays((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), dtype=dtype)
+    for _ in range(2):
+        out, lse = cuflash2.flash_attn_forward(q, k, v, causal=causal)
+    cp.cuda.get_current_stream().synchronize()
+    assert bool(cp.isfinite(as_float32(cp, out)).all())
+    print(f"ok forward b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal}", flush=True)
+
 # The Hopper backward (head dim 128) on the head-dim-128 cases, also the mma.sync one's on sm_90.
 if launch.device_arch(0) == 90:
     import os
