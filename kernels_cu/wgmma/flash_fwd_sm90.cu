@@ -360,9 +360,10 @@ CF_DEVICE void softmax_update(float (&s)[kN / 2], RowStats& stats, float (&scale
 // ptxas moves the wait for the P V in flight (consume's finish_values) to the top of its basic
 // block. With the softmax after the mask branch, in that block, the softmax ran after the P V had
 // completed rather than beside it; above head dim 128 the softmax sits in both arms of the branch
-// instead (the wait then follows it): d256 +3-12%, d192 +1-6% (kernel A/B, 512-16k). At d128 it measured
-// -2..+3% and at d64 -2..-8% (512 the worst), where the other warpgroups' GEMMs already fill the
-// tensor cores while one group runs its softmax, so those keep one softmax after the branch.
+// instead (the wait then follows it): d256 +3-12%, d192 +1-6% (kernel A/B, 512-16k). At d128 it
+// measured -2..+3% and at d64 -2..-8% (512 the worst), where the other warpgroups' GEMMs already
+// fill the tensor cores while one group runs its softmax, so those keep one softmax after the
+// branch. scripts/softmax_overlap.py shows the order in the SASS.
 template <class Tl, bool kCausal>
 CF_DEVICE void fold_block(float (&s)[Tl::kBlockN / 2], int n_block, int m_block, const int (&row)[2], int lane,
                           RowStats& stats, float (&scale)[2], const FwdParams& p) {
