@@ -26,17 +26,8 @@ from cuflash2.runtime import compiler
 
 
 def sass(config, nvdisasm: str) -> list[str]:
-    nvrtc = compiler._nvrtc()
-    program = nvrtc.createProgram(compiler.kernel_source(config.source_file), "cuflash2.cu", [], [])
-    try:
-        nvrtc.addNameExpression(program, config.template_name())
-        nvrtc.compileProgram(program, ["-arch=sm_90a", *compiler._NVRTC_OPTIONS, *config.compile_options()])
-        cubin = nvrtc.getCUBIN(program)
-    finally:
-        nvrtc.destroyProgram(program)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        # CuPy's getCUBIN returns the image without its last byte (a zero of the ELF program header).
-        f.write(cubin + b"\0")
+        f.write(compiler.compile_cubin(config, "sm_90a"))
         f.flush()
         text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
     return [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in text.splitlines()]

@@ -185,6 +185,39 @@ def test_compile_error_is_reported_not_raised(monkeypatch, tmp_path):
     assert report.line().startswith("ERROR")
 
 
+@pytest.mark.compile
+def test_compile_cubin_is_a_whole_elf_image():
+    """The cubin of a kernel (for a disassembler) reaches the end of its ELF tables: CuPy's getCUBIN
+    drops the last byte, which compile_cubin restores."""
+    pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy")
+    config = all_forward_configs(80)[0]
+    image = compiler.compile_cubin(config, "sm_80")
+    fields = compiler._ELF64_HEADER.unpack_from(image)
+    assert fields[0][:4] == b"\x7fELF" and fields[2] == 190  # EM_CUDA
+    phoff, shoff, phentsize, phnum, shentsize, shnum = fields[5], fields[6], *fields[9:13]
+    assert phnum > 0 and shnum > 0
+    assert len(image) == max(phoff + phnum * phentsize, shoff + shnum * shentsize)
+
+
+def test_whole_elf_pads_a_truncated_image_only():
+    header = compiler._ELF64_HEADER.pack(b"\x7fELF" + bytes(12), 2, 190, 1, 0, 100, 64, 0, 64, 56, 1, 0, 0, 0)
+    image = header + bytes(100 + 56 - len(header) - 1)  # the program header table ends at 156
+    assert len(compiler._whole_elf(image)) == 156
+    assert compiler._whole_elf(image + b"\0") == image + b"\0"
+    assert compiler._whole_elf(image + b"\0\0") == image + b"\0\0"  # nothing cut, nothing added
+
+
+def test_compile_cubin_reports_nvrtc_errors(monkeypatch, tmp_path):
+    pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy")
+    broken = tmp_path / "kernels_cu"
+    shutil.copytree(compiler.kernel_dir(), broken)
+    source = broken / compiler.source_path("flash_fwd.cu")
+    source.write_text(source.read_text() + "\nthis is not C++;\n")
+    with _kernel_dir(monkeypatch, broken):
+        with pytest.raises(RuntimeError, match="does not compile for sm_80"):
+            compiler.compile_cubin(all_forward_configs(80)[0], "sm_80")
+
+
 # --------------------------------------------------------------------------------------- sources
 
 

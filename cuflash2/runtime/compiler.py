@@ -16,6 +16,7 @@ import importlib.resources
 import logging
 import pathlib
 import re
+import struct
 import threading
 import time
 from typing import Protocol
@@ -243,6 +244,38 @@ def compile_offline(config: KernelConfig, arch: str) -> CompileReport:
     return CompileReport(config=config, arch=arch, smem_bytes=config.smem_bytes,
                          seconds=time.perf_counter() - start, error=error, slowdown_warnings=slowdown_warnings(log),
                          **stats)
+
+
+def compile_cubin(config: KernelConfig, arch: str) -> bytes:
+    """The cubin (ELF image) NVRTC builds for `config` on `arch` (e.g. "sm_90a"), no GPU needed: for
+    reading the generated SASS with a disassembler (scripts/softmax_overlap.py). Raises RuntimeError
+    with NVRTC's log when the source does not compile."""
+    nvrtc = _nvrtc()
+    program = nvrtc.createProgram(kernel_source(config.source_file), "cuflash2.cu", [], [])
+    try:
+        nvrtc.addNameExpression(program, config.template_name())
+        try:
+            nvrtc.compileProgram(program, [f"-arch={arch}", *_NVRTC_OPTIONS, *config.compile_options()])
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{config.template_name()} does not compile for {arch}:\n"
+                               f"{nvrtc.getProgramLog(program)}") from exc
+        image = nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    return _whole_elf(image)
+
+
+_ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
+
+
+def _whole_elf(image: bytes) -> bytes:
+    """`image` zero-padded to the end of its ELF header tables. CuPy's getCUBIN drops the image's
+    last byte, as if it ended in a string's terminating zero; the image ends in its last program
+    header, whose last byte (the high byte of the alignment) is zero."""
+    fields = _ELF64_HEADER.unpack_from(image)
+    phoff, shoff, phentsize, phnum, shentsize, shnum = fields[5], fields[6], *fields[9:13]
+    end = max(phoff + phnum * phentsize, shoff + shnum * shentsize)
+    return image + bytes(max(0, end - len(image)))
 
 
 def offline_report(item: tuple[KernelConfig, str]) -> CompileReport:
