@@ -137,6 +137,8 @@ for b, sq, sk, h, hk, d, causal, dtype in [(1, 200, 330, 2, 1, 128, True, ml_dty
                                            (1, 333, 190, 2, 2, 192, True, ml_dtypes.bfloat16),
                                            (2, 129, 257, 4, 4, 96, False, np.float16),
                                            (1, 1100, 1100, 2, 1, 48, True, ml_dtypes.bfloat16),
+                                           (2, 1100, 1100, 16, 4, 64, True, ml_dtypes.bfloat16),  # 192 tiles:
+                                           # head dim 64's two-Q-tile boundary (a CTA's tiles follow on)
                                            (2, 1100, 1100, 8, 2, 256, True, ml_dtypes.bfloat16),
                                            (2, 1100, 1100, 8, 8, 128, False, np.float16),
                                            (4, 600, 300, 8, 8, 256, True, np.float16)]:

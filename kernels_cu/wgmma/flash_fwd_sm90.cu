@@ -360,7 +360,7 @@ CF_DEVICE void softmax_update(float (&s)[kN / 2], RowStats& stats, float (&scale
 // ptxas moves the wait for the P V in flight (consume's finish_values) to the top of its basic
 // block. With the softmax after the mask branch, in that block, the softmax ran after the P V had
 // completed rather than beside it; above head dim 128 the softmax sits in both arms of the branch
-// instead (the wait then follows it): d256 +3-12%, d192 +1-6% (kernel A/B, 512-16k). At d128 it
+// instead (the wait then follows it): d256 +3-12%, d192 +0-6% (kernel A/B, 512-16k). At d128 it
 // measured -2..+3% and at d64 -2..-8% (512 the worst), where the other warpgroups' GEMMs already
 // fill the tensor cores while one group runs its softmax, so those keep one softmax after the
 // branch. scripts/softmax_overlap.py shows the order in the SASS.
@@ -583,8 +583,9 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         pack_probabilities<kBlockN, kBf16>(s, pa);
     };
     // O brought to the row maxima of the block folded last (`scale`) before the P V that adds that
-    // block: done while the tensor cores run this step's Q K^T, not between the softmax and the next
-    // turn. Skipped (exact) when no row maximum of the warp moved.
+    // block: in the key loop while the tensor cores run this step's Q K^T, not between the softmax
+    // and the next turn (before the tile's lone last P V: ahead of its turn). Skipped (exact) when
+    // no row maximum of the warp moved.
     auto rescale_output = [&]() {
         register_fence(o);
         if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
