@@ -172,15 +172,21 @@ def test_parse_ptxas_log():
     assert compiler._parse_ptxas_log("")["registers"] == 0
 
 
-def test_compile_error_is_reported_not_raised(monkeypatch, tmp_path):
+@pytest.fixture
+def broken_kernels(monkeypatch, tmp_path):
+    """The kernel sources with a C++ error appended to flash_fwd.cu, in use while the test runs."""
     pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy")
     broken = tmp_path / "kernels_cu"
     shutil.copytree(compiler.kernel_dir(), broken)
     source = broken / compiler.source_path("flash_fwd.cu")
     source.write_text(source.read_text() + "\nthis is not C++;\n")
     with _kernel_dir(monkeypatch, broken):
-        config = all_forward_configs(80)[0]
-        report = compiler.compile_offline(config, "sm_80")
+        yield
+
+
+def test_compile_error_is_reported_not_raised(broken_kernels):
+    config = all_forward_configs(80)[0]
+    report = compiler.compile_offline(config, "sm_80")
     assert report.error and not report.ok
     assert report.line().startswith("ERROR")
 
@@ -207,15 +213,9 @@ def test_whole_elf_pads_a_truncated_image_only():
     assert compiler._whole_elf(image + b"\0\0") == image + b"\0\0"  # nothing cut, nothing added
 
 
-def test_compile_cubin_reports_nvrtc_errors(monkeypatch, tmp_path):
-    pytest.importorskip("cupy_backends", reason="offline compilation needs CuPy")
-    broken = tmp_path / "kernels_cu"
-    shutil.copytree(compiler.kernel_dir(), broken)
-    source = broken / compiler.source_path("flash_fwd.cu")
-    source.write_text(source.read_text() + "\nthis is not C++;\n")
-    with _kernel_dir(monkeypatch, broken):
-        with pytest.raises(RuntimeError, match="does not compile for sm_80"):
-            compiler.compile_cubin(all_forward_configs(80)[0], "sm_80")
+def test_compile_cubin_reports_nvrtc_errors(broken_kernels):
+    with pytest.raises(RuntimeError, match="does not compile for sm_80"):
+        compiler.compile_cubin(all_forward_configs(80)[0], "sm_80")
 
 
 # --------------------------------------------------------------------------------------- sources

@@ -9,6 +9,7 @@ header changes the key and nothing stale is ever loaded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -221,26 +222,35 @@ def _parse_ptxas_log(log: str) -> dict[str, int]:
     }
 
 
-def compile_offline(config: KernelConfig, arch: str) -> CompileReport:
-    """Compile `config` for `arch` (e.g. "sm_80", "sm_90") with NVRTC; no GPU needed."""
+@contextlib.contextmanager
+def _offline_program(config: KernelConfig):
+    """(NVRTC, a program of `config`'s source with its kernel's name expression), destroyed after."""
     nvrtc = _nvrtc()
-    start = time.perf_counter()
-    name = config.template_name()
     program = nvrtc.createProgram(kernel_source(config.source_file), "cuflash2.cu", [], [])
     try:
-        nvrtc.addNameExpression(program, name)
+        nvrtc.addNameExpression(program, config.template_name())
+        yield nvrtc, program
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def _offline_options(config: KernelConfig, arch: str) -> list[str]:
+    return [f"-arch={arch}", *_NVRTC_OPTIONS, *config.compile_options()]
+
+
+def compile_offline(config: KernelConfig, arch: str) -> CompileReport:
+    """Compile `config` for `arch` (e.g. "sm_80", "sm_90") with NVRTC; no GPU needed."""
+    start = time.perf_counter()
+    with _offline_program(config) as (nvrtc, program):
         error = ""
         try:
-            nvrtc.compileProgram(program, [f"-arch={arch}", "--ptxas-options=-v", *_NVRTC_OPTIONS,
-                                           *config.compile_options()])
+            nvrtc.compileProgram(program, ["--ptxas-options=-v", *_offline_options(config, arch)])
         except nvrtc.NVRTCError:
             error = "compile error"
         log = nvrtc.getProgramLog(program)
         if error:
             error = log.strip() or error
         stats = _parse_ptxas_log(log)
-    finally:
-        nvrtc.destroyProgram(program)
     return CompileReport(config=config, arch=arch, smem_bytes=config.smem_bytes,
                          seconds=time.perf_counter() - start, error=error, slowdown_warnings=slowdown_warnings(log),
                          **stats)
@@ -250,19 +260,13 @@ def compile_cubin(config: KernelConfig, arch: str) -> bytes:
     """The cubin (ELF image) NVRTC builds for `config` on `arch` (e.g. "sm_90a"), no GPU needed: for
     reading the generated SASS with a disassembler (scripts/softmax_overlap.py). Raises RuntimeError
     with NVRTC's log when the source does not compile."""
-    nvrtc = _nvrtc()
-    program = nvrtc.createProgram(kernel_source(config.source_file), "cuflash2.cu", [], [])
-    try:
-        nvrtc.addNameExpression(program, config.template_name())
+    with _offline_program(config) as (nvrtc, program):
         try:
-            nvrtc.compileProgram(program, [f"-arch={arch}", *_NVRTC_OPTIONS, *config.compile_options()])
+            nvrtc.compileProgram(program, _offline_options(config, arch))
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"{config.template_name()} does not compile for {arch}:\n"
                                f"{nvrtc.getProgramLog(program)}") from exc
-        image = nvrtc.getCUBIN(program)
-    finally:
-        nvrtc.destroyProgram(program)
-    return _whole_elf(image)
+        return _whole_elf(nvrtc.getCUBIN(program))
 
 
 _ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
