@@ -400,10 +400,27 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
                     (t["v"].data_ptr, (d, sk, hk, b), (64, block_n, 1, 1)),
                     (t["dout"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1))]
     fields = wgmma_bwd.PARAMS.unpack(packed)  # ..., turns pointer, dk, dv, 6 i64, 6 ints, 2 floats, head dim
-    assert fields[-18] == 0  # no turn counters
-    assert fields[-9:-3] == (sq, sk, h, h // hk, m_blocks, 0)
-    assert fields[-2] == pytest.approx(0.1) and fields[-3] == pytest.approx(0.1 * 1.4426950408889634)
-    assert fields[-1] == d  # the call's head dim: the kernel stores its columns, loads the rest as zeros
+    assert fields[-19] == 0  # no turn counters
+    assert fields[-10:-4] == (sq, sk, h, h // hk, m_blocks, 0)
+    assert fields[-3] == pytest.approx(0.1) and fields[-4] == pytest.approx(0.1 * 1.4426950408889634)
+    assert fields[-2] == d  # the call's head dim: the kernel stores its columns, loads the rest as zeros
+    assert fields[-1] == b
+
+
+@pytest.mark.parametrize("sms, tiles", [(132, 16), (10, 10)])
+def test_the_non_causal_d64_backward_runs_a_persistent_grid(monkeypatch, sms, tiles):
+    """Non-causal, non-deterministic calls at head dim 64 launch one CTA per SM (at most one per
+    tile), which walk the (key block, head, batch) tiles; causal calls one CTA per tile, as do other
+    head dims and deterministic calls (tested elsewhere)."""
+    b, sq, sk, h, d = 2, 300, 500, 2, 64  # 4 key blocks of 128 x 2 heads x 2 = 16 tiles
+    monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: sms)
+    record = _record_backward(monkeypatch, AttentionProblem(AttentionShape(b, sq, sk, h, h, d, "bfloat16", 0.1), False))
+    (_, (main, main_grid, _), _) = record["launches"]
+    assert wgmma_bwd.persistent(main) and main_grid == (tiles, 1, 1)
+    for causal, head_dim in ((True, 64), (False, 128), (False, 256)):
+        shape = AttentionShape(b, sq, sk, h, h, head_dim, "bfloat16", 0.1)
+        (_, (main, main_grid, _), _) = _record_backward(monkeypatch, AttentionProblem(shape, causal))["launches"]
+        assert not wgmma_bwd.persistent(main) and main_grid == (-(-sk // (64 if head_dim == 256 else 128)), h, b)
 
 
 @pytest.mark.parametrize("causal, sk, sms, cyclic", [(False, 1000, 132, 1), (False, 1000, 7, 0), (True, 1000, 132, 0)])
@@ -420,7 +437,7 @@ def test_the_deterministic_backward_gets_zeroed_turn_counters_and_its_walk(monke
     assert main.deterministic and main_grid == (-(-sk // 128), h, b)  # 8 key blocks
     assert record["scratch"][3] == ((b, h, m_blocks + 1), "int32", True)  # turn counters, then a ticket
     fields = wgmma_bwd.PARAMS.unpack(packed)
-    assert fields[-18] != 0 and fields[-4] == cyclic
+    assert fields[-19] != 0 and fields[-5] == cyclic
 
 
 def test_the_deterministic_backward_is_its_own_instantiation():

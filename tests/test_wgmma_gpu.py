@@ -347,6 +347,30 @@ def test_the_deterministic_hopper_backward_gives_the_same_bits_every_run(monkeyp
 
 
 @hopper_only
+@pytest.mark.parametrize("b, sq, sk, h, hk", [(2, 2048, 2048, 16, 16), (3, 1900, 2100, 8, 2), (2, 4096, 1000, 32, 4)])
+def test_the_persistent_hopper_backward_walks_many_tiles_per_cta(monkeypatch, b, sq, sk, h, hk):
+    """Non-causal d64 calls run a persistent grid: with more (key block, head, batch) tiles than SMs
+    each CTA walks several tiles (its K/V reloaded between them, its Q/dO pipeline and dQ turns
+    running on across tiles); gradients within FA2's rule."""
+    import torch
+
+    import cuflash2
+    from cuflash2.families.wgmma import backward as wgmma_backward
+
+    monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
+    grids = []
+    real = wgmma_backward.main_grid
+    monkeypatch.setattr(wgmma_backward, "main_grid", lambda *a: grids.append((a[0], real(*a))) or grids[-1][1])
+    torch.manual_seed(stable_seed("hopper-persistent", b, sq, sk, h, hk))
+    q, dout = (torch.randn(b, sq, h, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, sk, hk, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    got = _attention_grads(lambda x, y, z: cuflash2.flash_attn_func(x, y, z), q, k, v, dout)
+    tiles = -(-sk // 128) * h * b
+    assert grids and wgmma_backward.persistent(grids[-1][0]) and grids[-1][1][0] < tiles, (grids, tiles)
+    _assert_within_fa2_rule(got, q, k, v, dout, False)
+
+
+@hopper_only
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_the_hopper_backward_writes_dq_into_rows_that_are_not_16_byte_aligned(monkeypatch, d):
     """dq= views whose rows are only 4-byte aligned take the conversion's narrow stores: the same

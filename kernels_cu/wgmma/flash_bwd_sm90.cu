@@ -1,8 +1,9 @@
 // FlashAttention-2 backward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
 //
 // One CTA per block of 128 keys (and head, batch) walks the query blocks that see those keys
-// (kBlockM rows at a time). Warpgroup 0 is the producer: one thread loads the CTA's K and V once
-// and the Q and dO blocks into a two-stage pipeline. Each of the two consumer warpgroups owns 64 of
+// (kBlockM rows at a time; a persistent grid walks several such tiles per CTA, see TileWalk).
+// Warpgroup 0 is the producer: one thread loads the tile's K and V once, another the Q and dO
+// blocks into a two-stage pipeline. Each of the two consumer warpgroups owns 64 of
 // the keys (head dim 256: see the split tile below) and, per query block, computes
 //   S^T = K Q^T and dP^T = V dO^T                  (keys as rows: both operands in shared memory)
 //   P^T = exp2(S^T * scale_log2 - LSE_log2)         (the forward's softmax, from its LSE)
@@ -73,8 +74,9 @@ struct BwdParams {
     float softmax_scale;
     int head_dim;                           // the call's, a multiple of 8 up to kHeadDim (the tiles' columns
                                             //   past it load as zeros)
+    int batch;
 };
-static_assert(sizeof(BwdParams) == 704, "BwdParams: host layout (4 maps, 6 pointers, 6 i64, 6 int, 2 float, 1 int)");
+static_assert(sizeof(BwdParams) == 704, "BwdParams: host layout (4 maps, 6 pointers, 6 i64, 6 int, 2 float, 2 int)");
 
 namespace bwd {
 
@@ -119,7 +121,7 @@ struct BwdTile {
                          kDs = kQ + 2 * kStages * kQBytes, kExchange = kDs + kDsTiles * kDsBytes,
                          kDq = kExchange + kExchangeBytes, kLse = kDq + kStagingBytes,
                          kDelta = kLse + kStages * kRowBytes, kBarriers = kDelta + kStages * kRowBytes;
-    static constexpr int kSmemBytes = kBarriers + 64 + 1024;  // + the alignment slack of the base
+    static constexpr int kSmemBytes = kBarriers + 128 + 1024;  // + the alignment slack of the base
     static_assert(kSmemBytes <= 227 * 1024, "shared memory: the tiles exceed 227 KB");
     CF_DEVICE static u32 q_tile(u32 smem, int stage) { return smem + kQ + stage * kQStride; }
     CF_DEVICE static u32 do_tile(u32 smem, int stage) { return smem + kDO + stage * kQStride; }
@@ -139,8 +141,53 @@ struct Barriers {
     // buffers free again (keep_dq).
     CF_DEVICE u32 dq_staged(int slot) const { return base + 8 + 16 * kStages + 8 * slot; }
     CF_DEVICE u32 dq_free() const { return base + 8 + 24 * kStages; }
+    // Persistent grid: the consumers are done with K and V (the next tile's may load).
+    CF_DEVICE u32 kv_empty() const { return base + 16 + 24 * kStages; }
 };
-static_assert(8 + 24 * kStages + 8 <= 64, "Barriers: 64 bytes");
+static_assert(16 + 24 * kStages + 8 <= 128, "Barriers: 128 bytes");
+
+// The tiles (key block, head, batch) a CTA computes, by index t = n_block + n_blocks (head +
+// nheads batch). A persistent grid (one CTA per SM; kPersistent calls, whose tiles all cost the
+// same) walks blockIdx.x, + gridDim.x, ...: key blocks fastest, so that CTAs running together share
+// a head's Q and dO in L2, and the producer loads a tile's K and V while the consumers store the
+// previous tile's dK and dV. Otherwise the CTA runs the one tile of its block index (of its ticket
+// in deterministic mode) and the hardware schedules CTAs as they finish.
+template <bool kPersistent>
+struct TileWalkOf {  // the persistent walk
+    int first, stride, total, n_blocks;
+    CF_DEVICE bool next(int& t) const {  // the tile after t, if any
+        t += stride;
+        return t < total;
+    }
+    CF_DEVICE int n_block(int t) const { return t % n_blocks; }
+    CF_DEVICE int head(int t, const BwdParams& p) const { return t / n_blocks % p.nheads; }
+    CF_DEVICE int batch(int t, const BwdParams& p) const { return t / n_blocks / p.nheads; }
+};
+template <>
+struct TileWalkOf<false> {  // one tile: the loops over the walk compile to one pass
+    int first, n_block_, head_, batch_;
+    CF_DEVICE bool next(int&) const { return false; }
+    CF_DEVICE int n_block(int) const { return n_block_; }
+    CF_DEVICE int head(int, const BwdParams&) const { return head_; }
+    CF_DEVICE int batch(int, const BwdParams&) const { return batch_; }
+};
+// Which calls run the persistent grid (the host launches gridDim.x = min(tiles, SMs) <= tiles):
+// non-causal, non-deterministic ones at head dim 64 (1.03-1.07x the one-tile grid on an H200); at
+// 128 it measured 0.98-1.01x, at 256 0.93-0.99x.
+template <class T, bool kCausal, bool kDeterministic>
+constexpr bool kPersistent = T::kHeadDim == 64 && !kCausal && !kDeterministic;
+template <class T, bool kCausal, bool kDeterministic>
+using TileWalk = TileWalkOf<kPersistent<T, kCausal, kDeterministic>>;
+
+template <class T, bool kCausal, bool kDeterministic>
+CF_DEVICE TileWalk<T, kCausal, kDeterministic> tile_walk(int n_block, int head, int batch, const BwdParams& p) {
+    if constexpr (kPersistent<T, kCausal, kDeterministic>) {
+        const int n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+        return {(int)blockIdx.x, (int)gridDim.x, n_blocks * p.nheads * p.batch, n_blocks};
+    } else {
+        return {0, n_block, head, batch};
+    }
+}
 
 // Query blocks that see some key of key block n_block: [first, m_blocks).
 template <class T, bool kCausal>
@@ -212,11 +259,31 @@ struct DqFragments {
 };
 
 // ---- producer ------------------------------------------------------------------------------------
-template <class T, bool kCausal, bool kDeterministic>
-CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch) {
-    tma_prefetch_map(&p.q_map);
-    tma_prefetch_map(&p.do_map);
-    const int kv_head = head / p.kv_group;
+// One step's Q and dO blocks, with their LSE and D rows, into stage `step % kStages`.
+template <class T>
+CF_DEVICE void load_query_block(const BwdParams& p, u32 smem, const Barriers& bars, int step, int m, int head,
+                                int batch) {
+    const int stage = step % kStages;
+    mbarrier_wait(bars.qdo_empty(stage), ((step / kStages) & 1) ^ 1);
+    mbarrier_arrive_expect_bytes(bars.qdo_full(stage), 2 * T::kQBytes + 2 * T::kRowBytes);
+    const i64 rows = ((i64)batch * p.nheads + head) * p.m_blocks * T::kBlockM + m * T::kBlockM;
+    bulk_load(smem + T::kLse + stage * T::kRowBytes, p.lse_log2 + rows, T::kRowBytes, bars.qdo_full(stage));
+    bulk_load(smem + T::kDelta + stage * T::kRowBytes, p.delta + rows, T::kRowBytes, bars.qdo_full(stage));
+#pragma unroll
+    for (int panel = 0; panel < T::kPanels; ++panel) {
+        const u32 at = panel * T::kBlockM * 128;
+        tma_load_4d(T::q_tile(smem, stage) + at, &p.q_map, bars.qdo_full(stage), panel * 64, m * T::kBlockM, head,
+                    batch, kEvictLast);
+        tma_load_4d(T::do_tile(smem, stage) + at, &p.do_map, bars.qdo_full(stage), panel * 64, m * T::kBlockM, head,
+                    batch, kEvictLast);
+    }
+}
+
+// The tile's K and V blocks, once the consumers are done with the previous tile's (tile > 0).
+template <class T>
+CF_DEVICE void load_key_block(const BwdParams& p, u32 smem, const Barriers& bars, int tile, int n_block, int head,
+                              int batch) {
+    if (tile > 0) mbarrier_wait(bars.kv_empty(), (tile - 1) & 1);
     // K and V are read by this CTA alone unless query heads share them (GQA); Q and dO by every CTA
     // of the head.
     const u64 kv_policy = p.kv_group > 1 ? kEvictLast : kEvictFirst;
@@ -224,27 +291,37 @@ CF_DEVICE void produce(const BwdParams& p, u32 smem, const Barriers& bars, int n
 #pragma unroll
     for (int panel = 0; panel < T::kPanels; ++panel) {
         tma_load_4d(smem + T::kK + panel * T::kBlockN * 128, &p.k_map, bars.kv_full(), panel * 64,
-                    n_block * T::kBlockN, kv_head, batch, kv_policy);
+                    n_block * T::kBlockN, head / p.kv_group, batch, kv_policy);
         tma_load_4d(smem + T::kV + panel * T::kBlockN * 128, &p.v_map, bars.kv_full(), panel * 64,
-                    n_block * T::kBlockN, kv_head, batch, kv_policy);
+                    n_block * T::kBlockN, head / p.kv_group, batch, kv_policy);
     }
-    const int first = first_query_block<T, kCausal>(n_block, p);
-    for (int it = 0; it < p.m_blocks - first; ++it) {
-        const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p), stage = it % kStages;
-        mbarrier_wait(bars.qdo_empty(stage), ((it / kStages) & 1) ^ 1);
-        mbarrier_arrive_expect_bytes(bars.qdo_full(stage), 2 * T::kQBytes + 2 * T::kRowBytes);
-        const i64 rows = ((i64)batch * p.nheads + head) * p.m_blocks * T::kBlockM + m * T::kBlockM;
-        bulk_load(smem + T::kLse + stage * T::kRowBytes, p.lse_log2 + rows, T::kRowBytes, bars.qdo_full(stage));
-        bulk_load(smem + T::kDelta + stage * T::kRowBytes, p.delta + rows, T::kRowBytes, bars.qdo_full(stage));
-#pragma unroll
-        for (int panel = 0; panel < T::kPanels; ++panel) {
-            const u32 at = panel * T::kBlockM * 128;
-            tma_load_4d(T::q_tile(smem, stage) + at, &p.q_map, bars.qdo_full(stage), panel * 64, m * T::kBlockM, head,
-                        batch, kEvictLast);
-            tma_load_4d(T::do_tile(smem, stage) + at, &p.do_map, bars.qdo_full(stage), panel * 64, m * T::kBlockM, head,
-                        batch, kEvictLast);
-        }
-    }
+}
+
+// Two producer threads, each with the few registers of the producer warpgroup: one loads every
+// tile's K and V (once the consumers have finished the previous tile's), the other the Q and dO
+// blocks of every step, running up to two steps ahead, across tile boundaries too.
+template <class T, bool kCausal, bool kDeterministic>
+CF_DEVICE void produce_key_blocks(const BwdParams& p, u32 smem, const Barriers& bars,
+                                  const TileWalk<T, kCausal, kDeterministic>& walk) {
+    int t = walk.first, tile = 0;
+    do load_key_block<T>(p, smem, bars, tile++, walk.n_block(t), walk.head(t, p), walk.batch(t, p));
+    while (walk.next(t));
+}
+
+template <class T, bool kCausal, bool kDeterministic>
+CF_DEVICE void produce_query_blocks(const BwdParams& p, u32 smem, const Barriers& bars,
+                                    const TileWalk<T, kCausal, kDeterministic>& walk) {
+    tma_prefetch_map(&p.q_map);
+    tma_prefetch_map(&p.do_map);
+    int steps_before = 0, t = walk.first;  // steps of the CTA's earlier tiles (0 with one tile)
+    do {
+        const int n_block = walk.n_block(t), head = walk.head(t, p), batch = walk.batch(t, p);
+        const int first = first_query_block<T, kCausal>(n_block, p);
+        for (int it = 0; it < p.m_blocks - first; ++it)
+            load_query_block<T>(p, smem, bars, steps_before + it,
+                                query_block<kCausal, kDeterministic>(it, first, n_block, p), head, batch);
+        steps_before += p.m_blocks - first;
+    } while (walk.next(t));
 }
 
 // ---- consumer: the GEMMs -------------------------------------------------------------------------
@@ -432,39 +509,52 @@ CF_DEVICE void store_key_gradient(const float (&acc)[T::kGroupColumns / 2], floa
 // buffers once the copy engine has read them. In deterministic mode it first waits for the CTA's turn
 // on the query block (its counter, zero at launch, reads dq_turn) and increments the counter once
 // the reduction has completed.
+// keep_step is one step of it (`it` of its tile, `step` of the CTA).
 template <class T, bool kCausal, bool kDeterministic>
-CF_DEVICE void keep_dq(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch) {
-    const i64 blocks = ((i64)batch * p.nheads + head) * p.m_blocks;
-    const int first = first_query_block<T, kCausal>(n_block, p);
-    for (int it = 0; it < p.m_blocks - first; ++it) {
-        const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p);
-        int* counter = kDeterministic ? p.dq_turns + ((i64)batch * p.nheads + head) * (p.m_blocks + 1) + m : nullptr;
-        if (kDeterministic) {
-            wait_for_turn(counter, dq_turn<T, kCausal>(m, n_block, p));
-            fence_proxy_async_global();  // the reduction (async proxy) after the acquire
-        }
-        const int stage = it % kStages;
-        if constexpr (T::kSplitColumns)  // staged in the stage: one barrier per stage
-            mbarrier_wait(bars.dq_staged(stage), (it / kStages) & 1);
-        else
-            mbarrier_wait(bars.dq_staged(0), it & 1);
-        bulk_reduce_add_f32(p.dq_acc + (blocks + m) * DqFragments<T>::kFloats, T::dq_staging(smem, stage), T::kDqBytes);
-        bulk_commit();
-        bulk_wait_read<0>();
-        // Split: the staging was the stage's Q and dO, which go back to the producer now.
-        mbarrier_arrive(T::kSplitColumns ? bars.qdo_empty(stage) : bars.dq_free());
-        if (kDeterministic) {
-            bulk_wait_all();
-            fence_proxy_async_global();  // the completed reduction before the release
-            add_release_gpu(counter, 1);
-        }
+CF_DEVICE void keep_step(const BwdParams& p, u32 smem, const Barriers& bars, int step, int it, int first, int n_block,
+                          i64 head_index) {
+    const i64 blocks = head_index * p.m_blocks;
+    const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p);
+    int* counter = kDeterministic ? p.dq_turns + head_index * (p.m_blocks + 1) + m : nullptr;
+    if (kDeterministic) {
+        wait_for_turn(counter, dq_turn<T, kCausal>(m, n_block, p));
+        fence_proxy_async_global();  // the reduction (async proxy) after the acquire
     }
+    const int stage = step % kStages;
+    if constexpr (T::kSplitColumns)  // staged in the stage: one barrier per stage
+        mbarrier_wait(bars.dq_staged(stage), (step / kStages) & 1);
+    else
+        mbarrier_wait(bars.dq_staged(0), step & 1);
+    bulk_reduce_add_f32(p.dq_acc + (blocks + m) * DqFragments<T>::kFloats, T::dq_staging(smem, stage), T::kDqBytes);
+    bulk_commit();
+    bulk_wait_read<0>();
+    // Split: the staging was the stage's Q and dO, which go back to the producer now.
+    mbarrier_arrive(T::kSplitColumns ? bars.qdo_empty(stage) : bars.dq_free());
+    if (kDeterministic) {
+        bulk_wait_all();
+        fence_proxy_async_global();  // the completed reduction before the release
+        add_release_gpu(counter, 1);
+    }
+}
+
+template <class T, bool kCausal, bool kDeterministic>
+CF_DEVICE void keep_dq(const BwdParams& p, u32 smem, const Barriers& bars, const TileWalk<T, kCausal, kDeterministic>& walk) {
+    int steps_before = 0, t = walk.first;  // steps of the CTA's earlier tiles (0 with one tile)
+    do {
+        const int n_block = walk.n_block(t), first = first_query_block<T, kCausal>(n_block, p);
+        const i64 head_index = (i64)walk.batch(t, p) * p.nheads + walk.head(t, p);
+        for (int it = 0; it < p.m_blocks - first; ++it)
+            keep_step<T, kCausal, kDeterministic>(p, smem, bars, steps_before + it, it, first, n_block, head_index);
+        steps_before += p.m_blocks - first;
+    } while (walk.next(t));
     bulk_wait_all();
 }
 
+
+// One tile of the consumer below: `tile` of the CTA's walk, its steps numbered on from `step`.
 template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic>
-CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, int n_block, int head,
-                       int batch) {
+CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, int group, int n_block, int head,
+                            int batch, int tile, int steps_before) {
     constexpr int kM = T::kBlockM, kD = T::kHeadDim;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int key_row0 = group * 64 + 16 * warp + lane / 4;  // within the CTA's keys
@@ -474,15 +564,16 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
     float dv[kD / 2], dk[kD / 2];
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) dv[i] = dk[i] = 0.f;
-    mbarrier_wait(bars.kv_full(), 0);
+    mbarrier_wait(bars.kv_full(), tile & 1);
     const int first = first_query_block<T, kCausal>(n_block, p);
     for (int it = 0; it < p.m_blocks - first; ++it) {
-        const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p), stage = it % kStages;
+        const int step = steps_before + it;
+        const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p), stage = step % kStages;
         const u32 q_tile = T::q_tile(smem, stage), do_tile = T::do_tile(smem, stage);
-        const u32 ds_tile = smem + T::kDs + (it % 2) * T::kDsBytes;
+        const u32 ds_tile = smem + T::kDs + (step % 2) * T::kDsBytes;
         const u32 lse_rows = smem + T::kLse + stage * T::kRowBytes;
         float s[kM / 2], dp[kM / 2];
-        mbarrier_wait(bars.qdo_full(stage), (it / kStages) & 1);
+        mbarrier_wait(bars.qdo_full(stage), (step / kStages) & 1);
         wgmma_fence();
         issue_transposed_scores<T, kBf16>(s, k_rows, q_tile);
         wgmma_commit();
@@ -530,12 +621,27 @@ CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int g
         wgmma_commit();
         wgmma_wait<0>();
         register_fence(dq);
-        stage_query_gradient(dq, dq_staging, lane, bars, it);
+        stage_query_gradient(dq, dq_staging, lane, bars, step);
     }
+    // K and V are read (the last dQ product has completed): the next tile's may load while dK and
+    // dV are stored. Every thread arrives after its own reads (racecheck, see consume_split).
+    mbarrier_arrive(bars.kv_empty());
     store_key_gradient<T, kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride,
                                        p.dk_head_stride, key, 0, head, batch, lane, p);
     store_key_gradient<T, kBf16, kGqa>(dv, 1.f, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, key, 0,
                                        head, batch, lane, p);
+}
+
+// A consumer group: its 64 keys of each tile of the CTA's walk.
+template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic>
+CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, const TileWalk<T, kCausal, kDeterministic>& walk) {
+    int steps_before = 0, t = walk.first, tile = 0;
+    do {
+        const int n_block = walk.n_block(t);
+        consume_tile<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group, n_block, walk.head(t, p),
+                                                              walk.batch(t, p), tile++, steps_before);
+        steps_before += p.m_blocks - first_query_block<T, kCausal>(n_block, p);
+    } while (walk.next(t));
 }
 
 // P^T in fp32 from group 0 to group 1 (split tile): thread t of one group holds the same elements as
@@ -559,7 +665,8 @@ CF_DEVICE void take_over(float (&x)[kN], u32 exchange, int tid) {
 // kGroup's 128 columns of dK, dV and dQ; group 0 computes S^T and P^T, group 1 dP^T and dS^T. One
 // instantiation per group: wgmmas in flight across a branch on the group made ptxas serialise them.
 template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, int kGroup>
-CF_DEVICE void consume_split(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch) {
+CF_DEVICE void consume_split_tile(const BwdParams& p, u32 smem, const Barriers& bars, int n_block, int head, int batch,
+                                  int tile, int steps_before) {
     constexpr int group = kGroup;
     constexpr int kM = T::kBlockM, kC = T::kGroupColumns;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -570,14 +677,15 @@ CF_DEVICE void consume_split(const BwdParams& p, u32 smem, const Barriers& bars,
     float dv[kC / 2], dk[kC / 2];
 #pragma unroll
     for (int i = 0; i < kC / 2; ++i) dv[i] = dk[i] = 0.f;
-    mbarrier_wait(bars.kv_full(), 0);
+    mbarrier_wait(bars.kv_full(), tile & 1);
     const int first = first_query_block<T, kCausal>(n_block, p);
     for (int it = 0; it < p.m_blocks - first; ++it) {
-        const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p), stage = it % kStages;
+        const int step = steps_before + it;
+        const int m = query_block<kCausal, kDeterministic>(it, first, n_block, p), stage = step % kStages;
         const u32 q_tile = T::q_tile(smem, stage), do_tile = T::do_tile(smem, stage);
         float x[kM / 2];  // group 0: S^T, then P^T; group 1: dP^T, then dS^T
         u32 pa[kM / 16][4];
-        mbarrier_wait(bars.qdo_full(stage), (it / kStages) & 1);
+        mbarrier_wait(bars.qdo_full(stage), (step / kStages) & 1);
         wgmma_fence();
         issue_transposed_scores<T, kBf16>(x, smem + (group == 0 ? T::kK : T::kV), group == 0 ? q_tile : do_tile);
         wgmma_commit();
@@ -643,11 +751,23 @@ CF_DEVICE void consume_split(const BwdParams& p, u32 smem, const Barriers& bars,
         // read all of them, completed before the barriers above).
         stage_query_gradient_in_stage<T>(dq, smem, stage, group, warp, lane, bars);
     }
+    mbarrier_arrive(bars.kv_empty());  // K and V are read: the next tile's may load (see consume_tile)
     const int col0 = T::column_panel(group) * 64;
     store_key_gradient<T, kBf16, kGqa>(dk, p.softmax_scale, p.dk, p.dk_batch_stride, p.dk_row_stride,
                                        p.dk_head_stride, key, col0, head, batch, lane, p);
     store_key_gradient<T, kBf16, kGqa>(dv, 1.f, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, key,
                                        col0, head, batch, lane, p);
+}
+
+template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, int kGroup>
+CF_DEVICE void consume_split(const BwdParams& p, u32 smem, const Barriers& bars, const TileWalk<T, kCausal, kDeterministic>& walk) {
+    int steps_before = 0, t = walk.first, tile = 0;
+    do {
+        const int n_block = walk.n_block(t);
+        consume_split_tile<T, kCausal, kBf16, kGqa, kDeterministic, kGroup>(p, smem, bars, n_block, walk.head(t, p),
+                                                                            walk.batch(t, p), tile++, steps_before);
+        steps_before += p.m_blocks - first_query_block<T, kCausal>(n_block, p);
+    } while (walk.next(t));
 }
 
 }  // namespace bwd
@@ -671,26 +791,29 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
             mbarrier_init(bars.dq_staged(s), 8);  // one arrival per consumer warp
         }
         mbarrier_init(bars.dq_free(), 1);
+        mbarrier_init(bars.kv_empty(), 256);  // one arrival per consumer thread
         fence_barrier_init();
     }
     __syncthreads();
     // Deterministic mode: key blocks from the highest down, in the order the CTAs start (the top of
     // the file).
-    const int n_block = kDeterministic ? gridDim.x - 1 - ticket : blockIdx.x;
+    const auto walk = tile_walk<T, kCausal, kDeterministic>(kDeterministic ? gridDim.x - 1 - ticket : blockIdx.x,
+                                                            head, batch, p);
     const int group = threadIdx.x / 128;
     if (group == 0) {
         registers_release<kProducerRegs>();
-        if (threadIdx.x == 0) produce<T, kCausal, kDeterministic>(p, smem, bars, n_block, head, batch);
-        if (threadIdx.x == 32) keep_dq<T, kCausal, kDeterministic>(p, smem, bars, n_block, head, batch);
+        if (threadIdx.x == 0) produce_query_blocks<T, kCausal, kDeterministic>(p, smem, bars, walk);
+        if (threadIdx.x == 32) keep_dq<T, kCausal, kDeterministic>(p, smem, bars, walk);
+        if (threadIdx.x == 64) produce_key_blocks<T, kCausal, kDeterministic>(p, smem, bars, walk);
     } else {
         registers_claim<kConsumerRegs>();
         if constexpr (T::kSplitColumns) {
             if (group == 1)
-                consume_split<T, kCausal, kBf16, kGqa, kDeterministic, 0>(p, smem, bars, n_block, head, batch);
+                consume_split<T, kCausal, kBf16, kGqa, kDeterministic, 0>(p, smem, bars, walk);
             else
-                consume_split<T, kCausal, kBf16, kGqa, kDeterministic, 1>(p, smem, bars, n_block, head, batch);
+                consume_split<T, kCausal, kBf16, kGqa, kDeterministic, 1>(p, smem, bars, walk);
         } else
-            consume<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group - 1, n_block, head, batch);
+            consume<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group - 1, walk);
     }
 }
 

@@ -2,11 +2,11 @@
 the launches.
 
 Three launches: flash_bwd_rows_sm90 (LSE in log2 units and D = rowsum(dO * O), padded to whole
-query blocks), flash_bwd_sm90 (one CTA per 128 keys, 64 at head dim 256: dK, dV, and dQ added to
-a zeroed fp32 accumulator by bulk reductions; with deterministic=True in a fixed order of turns,
-counted in a zeroed int32 counter per query block), and flash_bwd_dq_sm90 (dQ scaled and
-converted out of the accumulator's fragment order); with GQA, the mma.sync family's conversion
-sums dK and dV over each group of query heads.
+query blocks), flash_bwd_sm90 (one CTA per 128 keys, 64 at head dim 256, or a persistent grid
+walking those tiles: dK, dV, and dQ added to a zeroed fp32 accumulator by bulk reductions; with
+deterministic=True in a fixed order of turns, counted in a zeroed int32 counter per query block),
+and flash_bwd_dq_sm90 (dQ scaled and converted out of the accumulator's fragment order); with GQA,
+the mma.sync family's conversion sums dK and dV over each group of query heads.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ HEAD_DIMS = tuple(BLOCK_M)  # the kernel's
 HEAD_DIM_RANGES = ((32, 128), (192, 256))
 THREADS = 384
 # BwdParams (flash_bwd_sm90.cu): 4 maps, 6 pointers, 6 i64 strides, 6 ints, 2 floats, the head dim,
-# padding to 704.
-PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiiffi60x")
+# the batch, padding to 704.
+PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiiffii56x")
 
 
 def runs_head_dim(head_dim: int) -> bool:
@@ -64,7 +64,7 @@ def smem_bytes(head_dim: int) -> int:
         tiles = ds + block_n * block_m * 4
     else:
         tiles = 2 * ds + block_m * head_dim * 4
-    return 2 * kv + 4 * q + tiles + 4 * block_m * 4 + 64 + 1024
+    return 2 * kv + 4 * q + tiles + 4 * block_m * 4 + 128 + 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +173,20 @@ def _ptr(x):
     return np.uint64(x)
 
 
+def persistent(config: WgmmaBwdConfig) -> bool:
+    """Whether the kernel walks tiles in a persistent grid (flash_bwd_sm90.cu, kPersistent): non-causal
+    calls at head dim 64, whose tiles cost the same, outside deterministic mode (whose CTAs take turns
+    by key block)."""
+    return config.head_dim == 64 and not config.causal and not config.deterministic
+
+
+def main_grid(config: WgmmaBwdConfig, n_blocks: int, h: int, b: int, device_id: int) -> tuple[int, int, int]:
+    """One CTA per (key block, head, batch) tile, or a persistent grid of one CTA per SM."""
+    if persistent(config):
+        return (min(n_blocks * h * b, sm_count(device_id)), 1, 1)
+    return (n_blocks, h, b)
+
+
 def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, device_id: int, stream,
              deterministic: bool = False, config: WgmmaBwdConfig | None = None) -> None:
     """dq, dk, dv <- the gradients (TensorInfos, (batch, seqlen, heads, head_dim); lse (batch, heads,
@@ -212,10 +226,10 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
         return (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, block_n, b, sk, hk), _map(v, v_at, block_n, b, sk, hk),
                 _map(dout, do_at, block_m, b, sq, h), lse_at, delta_at, dq_at, turns_at or 0, dk_at, dv_at,
                 dk_t.strides[0], dk_t.strides[1], dk_t.strides[2], dv_t.strides[0], dv_t.strides[1], dv_t.strides[2],
-                sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale, d)
+                sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale, d, b)
 
     arguments = launcher.StructArguments(PARAMS, (q, k, v, dout, lse_log2_i, delta_i, dq_acc_i, turns_i, dk_t, dv_t), build)
-    launcher.launch_struct_kernel(config, device_id, stream, (n_blocks, h, b), arguments)
+    launcher.launch_struct_kernel(config, device_id, stream, main_grid(config, n_blocks, h, b, device_id), arguments)
     launcher.launch_kernel(WgmmaBwdPassConfig("dq", kd, shape.dtype), device_id, stream, (m_blocks, h, b),
                            (_ptr(dq_acc_i.data_ptr), _ptr(dq.data_ptr), *map(_i64, dq.strides[:3]), _i32(sq), _i32(h),
                             _i32(m_blocks), np.float32(scale), _i32(d)))
