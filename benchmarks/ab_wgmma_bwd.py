@@ -36,6 +36,8 @@ def main():
     parser.add_argument("--baseline", default="",
                         help="comma list of kernel sources (relative to kernels_cu/) to compare with")
     parser.add_argument("--rounds", type=int, default=1, help="times every variant once per round, in turn")
+    parser.add_argument("--both-grids", action="store_true",
+                        help="time each kernel with one CTA per tile and with the persistent grid")
     args = parser.parse_args()
     d, dtype = args.head_dim, getattr(torch, args.dtype)
     h = 2048 // d  # FA2's grid: model dim 2048
@@ -60,12 +62,16 @@ def main():
             return lambda: torch.autograd.grad(result, leaves, dout, retain_graph=True)
 
         runs = [("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION)), ("FA2", sdpa(SDPBackend.FLASH_ATTENTION))]
-        config = wgmma_bwd.WgmmaBwdConfig(d, args.causal, args.dtype, hk != h)
+        config = wgmma_bwd.WgmmaBwdConfig(d, args.causal, args.dtype, hk != h,
+                                          persistent=wgmma_bwd.persistent_grid(d, args.causal, False, s))
         variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
                                      for source in filter(None, args.baseline.split(","))]
-        if args.deterministic:  # each source's deterministic=True kernel too
-            variants += [(label + "deterministic ", dataclasses.replace(variant, deterministic=True))
-                         for label, variant in variants]
+        if args.both_grids:  # each source's kernel on both grids
+            variants = [(label + ("persistent " if persistent else "per-tile "), dataclasses.replace(variant, persistent=persistent))
+                        for label, variant in variants for persistent in (False, True)]
+        if args.deterministic:  # each source's deterministic=True kernel too (one CTA per tile)
+            variants += [(label + "deterministic ", dataclasses.replace(variant, deterministic=True, persistent=False))
+                         for label, variant in variants if not variant.persistent]
         for label, variant in variants:
             def run(variant=variant):
                 with stream:  # its scratch (CuPy's pool) on the same stream

@@ -1,6 +1,8 @@
 """The Hopper (wgmma) forward without a GPU: tile choice, what it accepts, tensor-map checks, and
 the NVRTC compile of every sm_90a instantiation with ptxas' slowdown warnings treated as failures."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -381,14 +383,19 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
     b, sq, sk, h, hk = 2, 300, 200, 4, 2 if gqa else 4
     kd = 64 if d <= 64 else 128 if d <= 128 else 256  # the kernel's head dim
     block_m, block_n = {64: (128, 128), 128: (64, 128), 256: (64, 64)}[kd]  # BwdTile<kd>::kBlockM, kBlockN
-    m_blocks = -(-sq // block_m)
+    m_blocks, n_blocks = -(-sq // block_m), -(-sk // block_n)
+    monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: 132)
     record = _record_backward(monkeypatch, AttentionProblem(AttentionShape(b, sq, sk, h, hk, d, "bfloat16", 0.1), True))
     scratch, maps, t = record["scratch"], record["maps"], record["tensors"]
 
     (rows, rows_grid), (main, main_grid, packed), (dq_pass, dq_grid) = record["launches"]
     assert (rows.kernel, rows_grid) == ("rows", (-(-m_blocks * block_m // 32), h, b))
-    assert (main.head_dim, main.causal, main.gqa, main.deterministic) == (kd, True, gqa, False)
-    assert main_grid == (-(-sk // block_n), h, b)
+    # A short causal call: the persistent grid at kernel head dims 64 and 128, a CTA per tile at 256.
+    persistent = kd != 256
+    assert (main.head_dim, main.causal, main.gqa, main.deterministic, main.persistent) == (kd, True, gqa, False,
+                                                                                           persistent)
+    units_per_head = -(-n_blocks // 2)  # key blocks j and n_blocks - 1 - j
+    assert main_grid == ((units_per_head * h * b, 1, 1) if persistent else (n_blocks, h, b))
     assert (rows.head_dim, dq_pass.kernel, dq_pass.head_dim, dq_grid) == (kd, "dq", kd, (m_blocks, h, b))
     assert scratch[:2] == [((b, h, m_blocks * block_m), "float32", False)] * 2  # LSE_log2, D
     assert scratch[2] == ((b, h, m_blocks, block_m * kd), "float32", True)  # the dQ accumulator, zeroed
@@ -399,28 +406,53 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
                     (t["k"].data_ptr, (d, sk, hk, b), (64, block_n, 1, 1)),
                     (t["v"].data_ptr, (d, sk, hk, b), (64, block_n, 1, 1)),
                     (t["dout"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1))]
-    fields = wgmma_bwd.PARAMS.unpack(packed)  # ..., turns pointer, dk, dv, 6 i64, 6 ints, 2 floats, head dim
-    assert fields[-19] == 0  # no turn counters
-    assert fields[-10:-4] == (sq, sk, h, h // hk, m_blocks, 0)
-    assert fields[-3] == pytest.approx(0.1) and fields[-4] == pytest.approx(0.1 * 1.4426950408889634)
-    assert fields[-2] == d  # the call's head dim: the kernel stores its columns, loads the rest as zeros
-    assert fields[-1] == b
+    # ..., turns pointer, dk, dv, 6 i64, 6 ints, 2 floats, head dim, the persistent walk's units
+    fields = wgmma_bwd.PARAMS.unpack(packed)
+    assert fields[-20] == 0  # no turn counters
+    assert fields[-11:-5] == (sq, sk, h, h // hk, m_blocks, 0)
+    assert fields[-4] == pytest.approx(0.1) and fields[-5] == pytest.approx(0.1 * 1.4426950408889634)
+    assert fields[-3] == d  # the call's head dim: the kernel stores its columns, loads the rest as zeros
+    assert fields[-2:] == (units_per_head, units_per_head * h * b)
 
 
-@pytest.mark.parametrize("sms, tiles", [(132, 16), (10, 10)])
-def test_the_non_causal_d64_backward_runs_a_persistent_grid(monkeypatch, sms, tiles):
-    """Non-causal, non-deterministic calls at head dim 64 launch one CTA per SM (at most one per
-    tile), which walk the (key block, head, batch) tiles; causal calls one CTA per tile, as do other
-    head dims and deterministic calls (tested elsewhere)."""
-    b, sq, sk, h, d = 2, 300, 500, 2, 64  # 4 key blocks of 128 x 2 heads x 2 = 16 tiles
-    monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: sms)
-    record = _record_backward(monkeypatch, AttentionProblem(AttentionShape(b, sq, sk, h, h, d, "bfloat16", 0.1), False))
-    (_, (main, main_grid, _), _) = record["launches"]
-    assert wgmma_bwd.persistent(main) and main_grid == (tiles, 1, 1)
-    for causal, head_dim in ((True, 64), (False, 128), (False, 256)):
-        shape = AttentionShape(b, sq, sk, h, h, head_dim, "bfloat16", 0.1)
-        (_, (main, main_grid, _), _) = _record_backward(monkeypatch, AttentionProblem(shape, causal))["launches"]
-        assert not wgmma_bwd.persistent(main) and main_grid == (-(-sk // (64 if head_dim == 256 else 128)), h, b)
+@pytest.mark.parametrize("d, causal, seqlen, persistent", [
+    (128, False, 2048, True), (128, True, 700, True), (128, True, 2049, False), (128, False, 4096, False),
+    (64, True, 1024, True), (64, True, 1025, False), (64, False, 512, False), (256, True, 512, False),
+    (192, False, 512, False), (96, True, 1000, True)])
+def test_short_backward_calls_run_a_persistent_grid(monkeypatch, d, causal, seqlen, persistent):
+    """Calls up to PERSISTENT_MAX_SEQLEN (the longer length) at kernel head dims 128 and 64 (causal
+    only there) launch one CTA per SM, at most one per unit of two key blocks; longer calls, head
+    dim 256 and non-causal d64 one CTA per (key block, head, batch) tile."""
+    monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: 132)
+    b, h = 3, 4
+    for sq, sk in ((seqlen, seqlen // 2), (seqlen // 3, seqlen)):
+        problem = AttentionProblem(AttentionShape(b, sq, sk, h, h, d, "bfloat16", 0.1), causal)
+        (_, (main, main_grid, packed), _) = _record_backward(monkeypatch, problem)["launches"]
+        n_blocks = -(-sk // (64 if d > 128 else 128))
+        units = -(-n_blocks // 2) * h * b
+        assert main.persistent == persistent
+        assert main_grid == ((min(units, 132), 1, 1) if persistent else (n_blocks, h, b))
+        assert wgmma_bwd.PARAMS.unpack(packed)[-1] == units
+    monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: 10)  # fewer SMs than units: one CTA per SM
+    problem = AttentionProblem(AttentionShape(b, 700, 700, h, h, 128, "bfloat16", 0.1), True)
+    assert _record_backward(monkeypatch, problem)["launches"][1][1] == (10, 1, 1)
+    deterministic = _record_backward(monkeypatch, problem, deterministic=True)["launches"][1][0]
+    assert deterministic.deterministic and not deterministic.persistent
+
+
+def test_the_persistent_backward_is_its_own_instantiation():
+    """The persistent grid is a template flag with its own cache entry; deterministic mode never uses it
+    (its turns follow the order one-tile CTAs start in), and every head dim and mask that a short call
+    runs persistent has both instantiations."""
+    per_tile = wgmma_bwd.WgmmaBwdConfig(128, True, "bfloat16", False)
+    persistent = wgmma_bwd.WgmmaBwdConfig(128, True, "bfloat16", False, persistent=True)
+    assert per_tile.template_name().endswith("false, false>") and persistent.template_name().endswith("false, true>")
+    assert persistent.short_id() != per_tile.short_id()
+    with pytest.raises(ValueError, match="deterministic"):
+        wgmma_bwd.WgmmaBwdConfig(128, True, "bfloat16", False, deterministic=True, persistent=True)
+    configs = [c for c in wgmma_bwd.all_configs() if isinstance(c, wgmma_bwd.WgmmaBwdConfig)]
+    assert {(c.head_dim, c.causal) for c in configs if c.persistent} == {(64, True), (128, False), (128, True)}
+    assert all(dataclasses.replace(c, persistent=False) in configs for c in configs if c.persistent)
 
 
 @pytest.mark.parametrize("causal, sk, sms, cyclic", [(False, 1000, 132, 1), (False, 1000, 7, 0), (True, 1000, 132, 0)])
@@ -437,7 +469,7 @@ def test_the_deterministic_backward_gets_zeroed_turn_counters_and_its_walk(monke
     assert main.deterministic and main_grid == (-(-sk // 128), h, b)  # 8 key blocks
     assert record["scratch"][3] == ((b, h, m_blocks + 1), "int32", True)  # turn counters, then a ticket
     fields = wgmma_bwd.PARAMS.unpack(packed)
-    assert fields[-19] != 0 and fields[-5] == cyclic
+    assert fields[-20] != 0 and fields[-6] == cyclic
 
 
 def test_the_deterministic_backward_is_its_own_instantiation():
@@ -445,7 +477,7 @@ def test_the_deterministic_backward_is_its_own_instantiation():
     cache entry), and every head dim, dtype and mask has one."""
     plain = wgmma_bwd.WgmmaBwdConfig(128, True, "bfloat16", False)
     ordered = wgmma_bwd.WgmmaBwdConfig(128, True, "bfloat16", False, deterministic=True)
-    assert plain.template_name().endswith("false>") and ordered.template_name().endswith("true>")
+    assert plain.template_name().endswith("false, false>") and ordered.template_name().endswith("true, false>")
     assert ordered.short_id() != plain.short_id() and ordered != plain
     configs = [c for c in wgmma_bwd.all_configs() if isinstance(c, wgmma_bwd.WgmmaBwdConfig)]
     assert {(c.head_dim, c.causal, c.dtype, c.gqa) for c in configs if c.deterministic} == {

@@ -1,7 +1,7 @@
 // FlashAttention-2 backward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
 //
 // One CTA per block of 128 keys (and head, batch) walks the query blocks that see those keys
-// (kBlockM rows at a time; a persistent grid walks several such tiles per CTA, see TileWalk).
+// (kBlockM rows at a time; a persistent grid walks several such tiles per CTA, see PersistentWalk).
 // Warpgroup 0 is the producer: one thread loads the tile's K and V once, another the Q and dO
 // blocks into a two-stage pipeline. Each of the two consumer warpgroups owns 64 of
 // the keys (head dim 256: see the split tile below) and, per query block, computes
@@ -74,9 +74,10 @@ struct BwdParams {
     float softmax_scale;
     int head_dim;                           // the call's, a multiple of 8 up to kHeadDim (the tiles' columns
                                             //   past it load as zeros)
-    int batch;
+    int units_per_head, units;              // the persistent walk (PersistentWalk): units of key blocks per
+                                            //   (head, batch), and in all
 };
-static_assert(sizeof(BwdParams) == 704, "BwdParams: host layout (4 maps, 6 pointers, 6 i64, 6 int, 2 float, 2 int)");
+static_assert(sizeof(BwdParams) == 704, "BwdParams: host layout (4 maps, 6 pointers, 6 i64, 6 int, 2 float, 3 int)");
 
 namespace bwd {
 
@@ -146,48 +147,41 @@ struct Barriers {
 };
 static_assert(16 + 24 * kStages + 8 <= 128, "Barriers: 128 bytes");
 
-// The tiles (key block, head, batch) a CTA computes, by index t = n_block + n_blocks (head +
-// nheads batch). A persistent grid (one CTA per SM; kPersistent calls, whose tiles all cost the
-// same) walks blockIdx.x, + gridDim.x, ...: key blocks fastest, so that CTAs running together share
-// a head's Q and dO in L2, and the producer loads a tile's K and V while the consumers store the
-// previous tile's dK and dV. Otherwise the CTA runs the one tile of its block index (of its ticket
-// in deterministic mode) and the hardware schedules CTAs as they finish.
-template <bool kPersistent>
-struct TileWalkOf {  // the persistent walk
-    int first, stride, total, n_blocks;
-    CF_DEVICE bool next(int& t) const {  // the tile after t, if any
-        t += stride;
-        return t < total;
-    }
-    CF_DEVICE int n_block(int t) const { return t % n_blocks; }
-    CF_DEVICE int head(int t, const BwdParams& p) const { return t / n_blocks % p.nheads; }
-    CF_DEVICE int batch(int t, const BwdParams& p) const { return t / n_blocks / p.nheads; }
+// The tiles (key block, head, batch) a CTA computes. Without kPersistent, the one tile of its block
+// index (of its ticket in deterministic mode), and the hardware starts CTAs as SMs free up; each
+// CTA's K/V load and dK/dV stores then run with nothing else on its SM (one CTA per SM fits).
+// With kPersistent, one CTA per SM walks units of work blockIdx.x, + gridDim.x, ...: a unit is key
+// blocks j and n_blocks - 1 - j of one (head, batch), j fastest (the middle block alone when
+// n_blocks is odd). The producer loads a tile's K and V while the consumers store the previous
+// tile's dK and dV. Causal key block j has fewer steps the larger j is (its first query block
+// rises with it), so the two blocks of a unit add up to about as many steps whatever j: every unit
+// costs about the same and the static walk stays balanced without a tile counter. The CTAs running
+// together share a head's Q and dO in L2, and a unit's second tile reads a subset of its first
+// tile's query blocks.
+// for_each_tile runs a role's work over either walk.
+struct SingleTile {
+    static constexpr bool kPersistent = false;
+    int n_block, head, batch;
 };
-template <>
-struct TileWalkOf<false> {  // one tile: the loops over the walk compile to one pass
-    int first, n_block_, head_, batch_;
-    CF_DEVICE bool next(int&) const { return false; }
-    CF_DEVICE int n_block(int) const { return n_block_; }
-    CF_DEVICE int head(int, const BwdParams&) const { return head_; }
-    CF_DEVICE int batch(int, const BwdParams&) const { return batch_; }
-};
-// Which calls run the persistent grid (the host launches gridDim.x = min(tiles, SMs) <= tiles):
-// non-causal, non-deterministic ones at head dim 64 (1.03-1.07x the one-tile grid on an H200); at
-// 128 it measured 0.98-1.01x, at 256 0.93-0.99x.
-template <class T, bool kCausal, bool kDeterministic>
-constexpr bool kPersistent = T::kHeadDim == 64 && !kCausal && !kDeterministic;
-template <class T, bool kCausal, bool kDeterministic>
-using TileWalk = TileWalkOf<kPersistent<T, kCausal, kDeterministic>>;
-
-template <class T, bool kCausal, bool kDeterministic>
-CF_DEVICE TileWalk<T, kCausal, kDeterministic> tile_walk(int n_block, int head, int batch, const BwdParams& p) {
-    if constexpr (kPersistent<T, kCausal, kDeterministic>) {
-        const int n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
-        return {(int)blockIdx.x, (int)gridDim.x, n_blocks * p.nheads * p.batch, n_blocks};
-    } else {
-        return {0, n_block, head, batch};
+template <class T>
+struct PersistentWalk {  // tiles t = 2 unit + (0: key block j, 1: key block n_blocks - 1 - j)
+    static constexpr bool kPersistent = true;
+    u32 places;  // a shared-memory word per thread: its place in the walk (for_each_tile)
+    CF_DEVICE static int first() { return 2 * blockIdx.x; }
+    CF_DEVICE static int j(int t, const BwdParams& p) { return (t >> 1) % p.units_per_head; }
+    CF_DEVICE static int n_blocks(const BwdParams& p) { return (p.seqlen_k + T::kBlockN - 1) / T::kBlockN; }
+    CF_DEVICE static bool next(int& t, const BwdParams& p) {  // t <- the tile after t, if there is one
+        if (!(t & 1) && 2 * j(t, p) + 1 != n_blocks(p)) {  // the unit's second key block
+            t += 1;
+            return true;
+        }
+        t = 2 * ((t >> 1) + (int)gridDim.x);
+        return (t >> 1) < p.units;
     }
-}
+    CF_DEVICE static int n_block(int t, const BwdParams& p) { return t & 1 ? n_blocks(p) - 1 - j(t, p) : j(t, p); }
+    CF_DEVICE static int head(int t, const BwdParams& p) { return (t >> 1) / p.units_per_head % p.nheads; }
+    CF_DEVICE static int batch(int t, const BwdParams& p) { return (t >> 1) / p.units_per_head / p.nheads; }
+};
 
 // Query blocks that see some key of key block n_block: [first, m_blocks).
 template <class T, bool kCausal>
@@ -258,6 +252,31 @@ struct DqFragments {
     }
 };
 
+// Runs body(n_block, head, batch, tile, steps_before) for each tile of the CTA's walk, in order.
+// `tile` is the parity of the tiles before it (the phase of the K/V barriers) and `steps_before`
+// their steps mod 4: two stages of two phases are all that a step's buffers and barrier phases
+// depend on. A persistent walk keeps the thread's place, t << 3 | steps_before << 1 | tile, in
+// shared memory: held in a register across a tile, it was spilled (the consumers' hot loop takes
+// all 240, the producer's threads have 24).
+template <class T, bool kCausal, class Walk, class Body>
+CF_DEVICE void for_each_tile(const BwdParams& p, const Walk& walk, Body&& body) {
+    if constexpr (!Walk::kPersistent) {
+        body(walk.n_block, walk.head, walk.batch, 0, 0);
+    } else {
+        const u32 slot = walk.places + 4 * threadIdx.x;
+        st_shared_volatile(slot, Walk::first() << 3);
+        while (true) {
+            int place = ld_shared_volatile(slot), t = place >> 3;
+            body(Walk::n_block(t, p), Walk::head(t, p), Walk::batch(t, p), place & 1, (place >> 1) & 3);
+            place = ld_shared_volatile(slot);
+            t = place >> 3;
+            const int steps = ((place >> 1) + p.m_blocks - first_query_block<T, kCausal>(Walk::n_block(t, p), p)) & 3;
+            if (!Walk::next(t, p)) break;
+            st_shared_volatile(slot, t << 3 | steps << 1 | (~place & 1));
+        }
+    }
+}
+
 // ---- producer ------------------------------------------------------------------------------------
 // One step's Q and dO blocks, with their LSE and D rows, into stage `step % kStages`.
 template <class T>
@@ -279,11 +298,13 @@ CF_DEVICE void load_query_block(const BwdParams& p, u32 smem, const Barriers& ba
     }
 }
 
-// The tile's K and V blocks, once the consumers are done with the previous tile's (tile > 0).
+// The tile's K and V blocks, once the consumers are done with the previous tile's (`tile`: the
+// parity of the tiles before it; the first tile's wait, on the phase before the barrier's first,
+// returns at once).
 template <class T>
 CF_DEVICE void load_key_block(const BwdParams& p, u32 smem, const Barriers& bars, int tile, int n_block, int head,
                               int batch) {
-    if (tile > 0) mbarrier_wait(bars.kv_empty(), (tile - 1) & 1);
+    mbarrier_wait(bars.kv_empty(), tile ^ 1);
     // K and V are read by this CTA alone unless query heads share them (GQA); Q and dO by every CTA
     // of the head.
     const u64 kv_policy = p.kv_group > 1 ? kEvictLast : kEvictFirst;
@@ -300,28 +321,25 @@ CF_DEVICE void load_key_block(const BwdParams& p, u32 smem, const Barriers& bars
 // Two producer threads, each with the few registers of the producer warpgroup: one loads every
 // tile's K and V (once the consumers have finished the previous tile's), the other the Q and dO
 // blocks of every step, running up to two steps ahead, across tile boundaries too.
-template <class T, bool kCausal, bool kDeterministic>
+template <class T, bool kCausal, bool kDeterministic, class Walk>
 CF_DEVICE void produce_key_blocks(const BwdParams& p, u32 smem, const Barriers& bars,
-                                  const TileWalk<T, kCausal, kDeterministic>& walk) {
-    int t = walk.first, tile = 0;
-    do load_key_block<T>(p, smem, bars, tile++, walk.n_block(t), walk.head(t, p), walk.batch(t, p));
-    while (walk.next(t));
+                                  const Walk& walk) {
+    for_each_tile<T, kCausal>(p, walk, [&](int n_block, int head, int batch, int tile, int) {
+        load_key_block<T>(p, smem, bars, tile, n_block, head, batch);
+    });
 }
 
-template <class T, bool kCausal, bool kDeterministic>
+template <class T, bool kCausal, bool kDeterministic, class Walk>
 CF_DEVICE void produce_query_blocks(const BwdParams& p, u32 smem, const Barriers& bars,
-                                    const TileWalk<T, kCausal, kDeterministic>& walk) {
+                                    const Walk& walk) {
     tma_prefetch_map(&p.q_map);
     tma_prefetch_map(&p.do_map);
-    int steps_before = 0, t = walk.first;  // steps of the CTA's earlier tiles (0 with one tile)
-    do {
-        const int n_block = walk.n_block(t), head = walk.head(t, p), batch = walk.batch(t, p);
+    for_each_tile<T, kCausal>(p, walk, [&](int n_block, int head, int batch, int, int steps_before) {
         const int first = first_query_block<T, kCausal>(n_block, p);
         for (int it = 0; it < p.m_blocks - first; ++it)
             load_query_block<T>(p, smem, bars, steps_before + it,
                                 query_block<kCausal, kDeterministic>(it, first, n_block, p), head, batch);
-        steps_before += p.m_blocks - first;
-    } while (walk.next(t));
+    });
 }
 
 // ---- consumer: the GEMMs -------------------------------------------------------------------------
@@ -537,16 +555,14 @@ CF_DEVICE void keep_step(const BwdParams& p, u32 smem, const Barriers& bars, int
     }
 }
 
-template <class T, bool kCausal, bool kDeterministic>
-CF_DEVICE void keep_dq(const BwdParams& p, u32 smem, const Barriers& bars, const TileWalk<T, kCausal, kDeterministic>& walk) {
-    int steps_before = 0, t = walk.first;  // steps of the CTA's earlier tiles (0 with one tile)
-    do {
-        const int n_block = walk.n_block(t), first = first_query_block<T, kCausal>(n_block, p);
-        const i64 head_index = (i64)walk.batch(t, p) * p.nheads + walk.head(t, p);
+template <class T, bool kCausal, bool kDeterministic, class Walk>
+CF_DEVICE void keep_dq(const BwdParams& p, u32 smem, const Barriers& bars, const Walk& walk) {
+    for_each_tile<T, kCausal>(p, walk, [&](int n_block, int head, int batch, int, int steps_before) {
+        const int first = first_query_block<T, kCausal>(n_block, p);
+        const i64 head_index = (i64)batch * p.nheads + head;
         for (int it = 0; it < p.m_blocks - first; ++it)
             keep_step<T, kCausal, kDeterministic>(p, smem, bars, steps_before + it, it, first, n_block, head_index);
-        steps_before += p.m_blocks - first;
-    } while (walk.next(t));
+    });
     bulk_wait_all();
 }
 
@@ -633,15 +649,12 @@ CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, 
 }
 
 // A consumer group: its 64 keys of each tile of the CTA's walk.
-template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic>
-CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, const TileWalk<T, kCausal, kDeterministic>& walk) {
-    int steps_before = 0, t = walk.first, tile = 0;
-    do {
-        const int n_block = walk.n_block(t);
-        consume_tile<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group, n_block, walk.head(t, p),
-                                                              walk.batch(t, p), tile++, steps_before);
-        steps_before += p.m_blocks - first_query_block<T, kCausal>(n_block, p);
-    } while (walk.next(t));
+template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, class Walk>
+CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, const Walk& walk) {
+    for_each_tile<T, kCausal>(p, walk, [&](int n_block, int head, int batch, int tile, int steps_before) {
+        consume_tile<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group, n_block, head, batch, tile,
+                                                              steps_before);
+    });
 }
 
 // P^T in fp32 from group 0 to group 1 (split tile): thread t of one group holds the same elements as
@@ -759,23 +772,45 @@ CF_DEVICE void consume_split_tile(const BwdParams& p, u32 smem, const Barriers& 
                                        col0, head, batch, lane, p);
 }
 
-template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, int kGroup>
-CF_DEVICE void consume_split(const BwdParams& p, u32 smem, const Barriers& bars, const TileWalk<T, kCausal, kDeterministic>& walk) {
-    int steps_before = 0, t = walk.first, tile = 0;
-    do {
-        const int n_block = walk.n_block(t);
-        consume_split_tile<T, kCausal, kBf16, kGqa, kDeterministic, kGroup>(p, smem, bars, n_block, walk.head(t, p),
-                                                                            walk.batch(t, p), tile++, steps_before);
-        steps_before += p.m_blocks - first_query_block<T, kCausal>(n_block, p);
-    } while (walk.next(t));
+template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, int kGroup, class Walk>
+CF_DEVICE void consume_split(const BwdParams& p, u32 smem, const Barriers& bars, const Walk& walk) {
+    for_each_tile<T, kCausal>(p, walk, [&](int n_block, int head, int batch, int tile, int steps_before) {
+        consume_split_tile<T, kCausal, kBf16, kGqa, kDeterministic, kGroup>(p, smem, bars, n_block, head, batch, tile,
+                                                                            steps_before);
+    });
+}
+
+// The CTA's roles: the producer warpgroup's loader threads and dQ keeper, the consumer groups.
+template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, class Walk>
+CF_DEVICE void run_roles(const BwdParams& p, u32 smem, const Barriers& bars, const Walk& walk) {
+    const int group = threadIdx.x / 128;
+    if (group == 0) {
+        registers_release<kProducerRegs>();
+        if (threadIdx.x == 0) produce_query_blocks<T, kCausal, kDeterministic>(p, smem, bars, walk);
+        if (threadIdx.x == 32) keep_dq<T, kCausal, kDeterministic>(p, smem, bars, walk);
+        if (threadIdx.x == 64) produce_key_blocks<T, kCausal, kDeterministic>(p, smem, bars, walk);
+    } else {
+        registers_claim<kConsumerRegs>();
+        if constexpr (T::kSplitColumns) {
+            if (group == 1)
+                consume_split<T, kCausal, kBf16, kGqa, kDeterministic, 0>(p, smem, bars, walk);
+            else
+                consume_split<T, kCausal, kBf16, kGqa, kDeterministic, 1>(p, smem, bars, walk);
+        } else
+            consume<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group - 1, walk);
+    }
 }
 
 }  // namespace bwd
 
-template <int kHeadDim, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic>
+// kPersistent: one CTA per SM walking units of key blocks (PersistentWalk; grid (units or SMs, 1,
+// 1)); otherwise one CTA per tile, grid (key blocks, heads, batch). Deterministic mode runs one
+// CTA per tile (its turns follow the order the CTAs start in).
+template <int kHeadDim, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, bool kPersistent>
 __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParams p) {
     using namespace bwd;
     using T = BwdTile<kHeadDim>;
+    static_assert(!(kPersistent && kDeterministic), "deterministic mode runs one CTA per tile");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_addr(smem_raw) + 1023) & ~1023u;
     const Barriers bars{smem + T::kBarriers};
@@ -795,25 +830,14 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
         fence_barrier_init();
     }
     __syncthreads();
-    // Deterministic mode: key blocks from the highest down, in the order the CTAs start (the top of
-    // the file).
-    const auto walk = tile_walk<T, kCausal, kDeterministic>(kDeterministic ? gridDim.x - 1 - ticket : blockIdx.x,
-                                                            head, batch, p);
-    const int group = threadIdx.x / 128;
-    if (group == 0) {
-        registers_release<kProducerRegs>();
-        if (threadIdx.x == 0) produce_query_blocks<T, kCausal, kDeterministic>(p, smem, bars, walk);
-        if (threadIdx.x == 32) keep_dq<T, kCausal, kDeterministic>(p, smem, bars, walk);
-        if (threadIdx.x == 64) produce_key_blocks<T, kCausal, kDeterministic>(p, smem, bars, walk);
+    if constexpr (kPersistent) {
+        __shared__ int places[kThreads];
+        run_roles<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, PersistentWalk<T>{smem_addr(places)});
     } else {
-        registers_claim<kConsumerRegs>();
-        if constexpr (T::kSplitColumns) {
-            if (group == 1)
-                consume_split<T, kCausal, kBf16, kGqa, kDeterministic, 0>(p, smem, bars, walk);
-            else
-                consume_split<T, kCausal, kBf16, kGqa, kDeterministic, 1>(p, smem, bars, walk);
-        } else
-            consume<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group - 1, walk);
+        // Deterministic mode: key blocks from the highest down, in the order the CTAs start (the top
+        // of the file).
+        const int n_block = kDeterministic ? gridDim.x - 1 - ticket : blockIdx.x;
+        run_roles<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, SingleTile{n_block, head, batch});
     }
 }
 

@@ -104,15 +104,6 @@ struct FwdBarriers {
 };
 static_assert(56 + 8 * 4 * kStages + 8 <= 128, "FwdBarriers: 128 bytes");
 
-CF_DEVICE void st_shared_volatile(u32 addr, int value) {
-    asm volatile("st.volatile.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(value) : "memory");
-}
-CF_DEVICE int ld_shared_volatile(u32 addr) {
-    int value;
-    asm volatile("ld.volatile.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
-    return value;
-}
-
 // Position in a ring of kRing buffers: one counter of the buffers used so far (a register saved
 // against a separate stage and phase); the mbarrier phase parity flips at each wrap.
 template <int kRing = kStages>

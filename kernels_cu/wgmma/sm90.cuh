@@ -25,6 +25,18 @@ struct alignas(64) TensorMap {
     u64 opaque[16];
 };
 
+// ---- shared-memory words the compiler cannot keep in registers instead ---------------------------
+// For values that must stay out of registers across a loop that needs all of them (a tile hand-over
+// slot, a walk's place), and that the compiler would otherwise forward from the store to the load.
+CF_DEVICE void st_shared_volatile(u32 addr, int value) {
+    asm volatile("st.volatile.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(value) : "memory");
+}
+CF_DEVICE int ld_shared_volatile(u32 addr) {
+    int value;
+    asm volatile("ld.volatile.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
+    return value;
+}
+
 // ---- mbarriers ---------------------------------------------------------------------------------
 CF_DEVICE void mbarrier_init(u32 bar, u32 arrivals) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(arrivals));

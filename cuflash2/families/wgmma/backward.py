@@ -40,8 +40,8 @@ HEAD_DIMS = tuple(BLOCK_M)  # the kernel's
 HEAD_DIM_RANGES = ((32, 128), (192, 256))
 THREADS = 384
 # BwdParams (flash_bwd_sm90.cu): 4 maps, 6 pointers, 6 i64 strides, 6 ints, 2 floats, the head dim,
-# the batch, padding to 704.
-PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiiffii56x")
+# the persistent walk's units per (head, batch) and in all, padding to 704.
+PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiiffiii52x")
 
 
 def runs_head_dim(head_dim: int) -> bool:
@@ -77,6 +77,11 @@ class WgmmaBwdConfig:
     gqa: bool  # dK, dV per query head in fp32 (summed over each group afterwards)
     deterministic: bool = False  # dQ reductions in a fixed order of turns (dq_turn)
     hang_check: bool = False
+    persistent: bool = False  # one CTA per SM walking the tiles (PersistentWalk); not with deterministic
+
+    def __post_init__(self):
+        if self.persistent and self.deterministic:
+            raise ValueError("WgmmaBwdConfig: deterministic mode runs one CTA per tile (persistent=False)")
 
     source_file = SOURCE
     threads = THREADS
@@ -87,11 +92,11 @@ class WgmmaBwdConfig:
 
     def template_name(self) -> str:
         return (f"flash_bwd_sm90<{self.head_dim}, {cpp_bool(self.causal)}, {cpp_bool(self.dtype == 'bfloat16')}, "
-                f"{cpp_bool(self.gqa)}, {cpp_bool(self.deterministic)}>")
+                f"{cpp_bool(self.gqa)}, {cpp_bool(self.deterministic)}, {cpp_bool(self.persistent)}>")
 
     def short_id(self) -> str:
         return (f"wgmma_bwd_d{self.head_dim}_{'causal' if self.causal else 'full'}_{SHORT_DTYPE[self.dtype]}"
-                f"{'_gqa' if self.gqa else ''}{'_det' if self.deterministic else ''}"
+                f"{'_gqa' if self.gqa else ''}{'_det' if self.deterministic else ''}{'_persistent' if self.persistent else ''}"
                 f"{'_hangcheck' if self.hang_check else ''}")
 
     def compile_options(self) -> tuple[str, ...]:
@@ -123,8 +128,10 @@ class WgmmaBwdPassConfig:
 
 def all_configs() -> list:
     """Every instantiation a call can pick (the compile check builds them all)."""
-    return [WgmmaBwdConfig(d, causal, dtype, gqa, deterministic) for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES
-            for causal in (False, True) for gqa in (False, True) for deterministic in (False, True)] + [
+    return list(dict.fromkeys(
+        WgmmaBwdConfig(d, causal, dtype, gqa, deterministic, persistent=persistent_grid(d, causal, deterministic, seqlen))
+        for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES for causal in (False, True) for gqa in (False, True)
+        for deterministic in (False, True) for seqlen in (None, 1))) + [
         WgmmaBwdPassConfig(kernel, d, dtype) for kernel in ("rows", "dq") for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES]
 
 
@@ -173,17 +180,31 @@ def _ptr(x):
     return np.uint64(x)
 
 
-def persistent(config: WgmmaBwdConfig) -> bool:
-    """Whether the kernel walks tiles in a persistent grid (flash_bwd_sm90.cu, kPersistent): non-causal
-    calls at head dim 64, whose tiles cost the same, outside deterministic mode (whose CTAs take turns
-    by key block)."""
-    return config.head_dim == 64 and not config.causal and not config.deterministic
+#: The longest call (the longer of seqlen_q and seqlen_k) that runs the persistent grid, per kernel
+#: head dim. Kernel A/B on an H200 (bf16, 3 rounds in turn, against one CTA per tile): d128 +2-3% at
+#: 512-1k and +2% at 2k (causal and not), -1..-7% from 4k; d64 causal +3% at 512, +1% at 1k, -1..-11%
+#: from 2k; d256 -10..-13% at every length. A long call's tiles are many, and the hardware's own
+#: dynamic order of one-tile CTAs beats the static walk's last partial round; short calls gain from
+#: loading the next tile's K and V during the dK/dV stores.
+PERSISTENT_MAX_SEQLEN = {64: 1024, 128: 2048}
+
+
+def persistent_grid(head_dim: int, causal: bool, deterministic: bool, seqlen: int | None) -> bool:
+    """Whether a call runs the persistent grid (one CTA per SM walking units of key blocks, the next
+    tile's K and V loaded while the previous tile's dK and dV are stored; PersistentWalk in
+    flash_bwd_sm90.cu): short calls (`seqlen`, see PERSISTENT_MAX_SEQLEN; None: long or unknown) at
+    kernel head dims 64 (causal only: the non-causal instantiation spills) and 128, not in
+    deterministic mode (whose turns follow the order one-tile CTAs start in)."""
+    if deterministic or seqlen is None or (head_dim == 64 and not causal):
+        return False
+    return seqlen <= PERSISTENT_MAX_SEQLEN.get(head_dim, 0)
 
 
 def main_grid(config: WgmmaBwdConfig, n_blocks: int, h: int, b: int, device_id: int) -> tuple[int, int, int]:
-    """One CTA per (key block, head, batch) tile, or a persistent grid of one CTA per SM."""
-    if persistent(config):
-        return (min(n_blocks * h * b, sm_count(device_id)), 1, 1)
+    """One CTA per (key block, head, batch) tile, or a persistent grid of one CTA per SM (at most
+    one per unit of key blocks j and n_blocks - 1 - j)."""
+    if config.persistent:
+        return (min(-(-n_blocks // 2) * h * b, sm_count(device_id)), 1, 1)
     return (n_blocks, h, b)
 
 
@@ -195,7 +216,9 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.head_dim
     gqa = shape.kv_group > 1
     kd = kernel_head_dim(d)
-    config = config or WgmmaBwdConfig(kd, bool(problem.causal), shape.dtype, gqa, deterministic, hang_check())
+    causal = bool(problem.causal)
+    config = config or WgmmaBwdConfig(kd, causal, shape.dtype, gqa, deterministic, hang_check(),
+                                      persistent_grid(kd, causal, deterministic, max(sq, sk)))
     block_m, block_n = BLOCK_M[kd], BLOCK_N[kd]
     m_blocks = math.ceil(sq / block_m)
     padded = m_blocks * block_m
@@ -220,13 +243,15 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     n_blocks = math.ceil(sk / block_n)
     # Deterministic non-causal calls walk cyclically when a head's CTAs (one per SM) all fit at once.
     cyclic = config.deterministic and not config.causal and n_blocks <= sm_count(device_id)
+    units_per_head = -(-n_blocks // 2)  # the persistent walk's: key blocks j and n_blocks - 1 - j
 
     def build(addresses) -> tuple:
         q_at, k_at, v_at, do_at, lse_at, delta_at, dq_at, turns_at, dk_at, dv_at = addresses
         return (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, block_n, b, sk, hk), _map(v, v_at, block_n, b, sk, hk),
                 _map(dout, do_at, block_m, b, sq, h), lse_at, delta_at, dq_at, turns_at or 0, dk_at, dv_at,
                 dk_t.strides[0], dk_t.strides[1], dk_t.strides[2], dv_t.strides[0], dv_t.strides[1], dv_t.strides[2],
-                sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale, d, b)
+                sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale, d, units_per_head,
+                units_per_head * h * b)
 
     arguments = launcher.StructArguments(PARAMS, (q, k, v, dout, lse_log2_i, delta_i, dq_acc_i, turns_i, dk_t, dv_t), build)
     launcher.launch_struct_kernel(config, device_id, stream, main_grid(config, n_blocks, h, b, device_id), arguments)
