@@ -181,11 +181,11 @@ def _ptr(x):
 
 
 #: The longest call (the longer of seqlen_q and seqlen_k) that runs the persistent grid, per kernel
-#: head dim. Kernel A/B on an H200 (bf16, 3 rounds in turn, against one CTA per tile): d128 +2-3% at
-#: 512-1k and +2% at 2k (causal and not), -1..-7% from 4k; d64 causal +3% at 512, +1% at 1k, -1..-11%
-#: from 2k; d256 -10..-13% at every length. A long call's tiles are many, and the hardware's own
-#: dynamic order of one-tile CTAs beats the static walk's last partial round; short calls gain from
-#: loading the next tile's K and V during the dK/dV stores.
+#: head dim. Kernel A/B on an H200 (bf16, 3 rounds in turn, two runs, against one CTA per tile):
+#: d128 causal +2-3% at 512-2k, non-causal +1.5% at 512 and -0.6..+2% at 1k-2k, both -2..-7% at 16k;
+#: d64 causal +3% at 512, +1-2% at 1k, -7..-11% from 4k; d256 -3..-14% at every length. Short
+#: calls gain from loading the next tile's K and V during the dK/dV stores; a long call's tiles are
+#: many, and the hardware's dynamic order of one-tile CTAs beats the static walk's last round.
 PERSISTENT_MAX_SEQLEN = {64: 1024, 128: 2048}
 
 
