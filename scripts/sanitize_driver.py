@@ -25,10 +25,10 @@ def arrays(*shapes, dtype=ml_dtypes.bfloat16):
 
 
 def forward_for_backward(q, k, v, causal):
-    """The forward's (out, lse) for a backward, out zero-filled first. initcheck reports the backward
-    pre-pass's reads of an output that the Hopper forward stored with TMA (bulk tensor) stores as
-    uninitialized, although every row was written (the GPU tests fill outputs with a sentinel and
-    compare): it does not count those stores as writes."""
+    """The forward's (out, lse) for a backward, out zero-filled first. initcheck reports reads of an
+    output that the Hopper forward stored with TMA (bulk tensor) stores, by the backward's pre-pass
+    or a CuPy conversion, as uninitialized although every row was written (the GPU tests fill
+    outputs with a sentinel and compare): it does not count those stores as writes."""
     return cuflash2.flash_attn_forward(q, k, v, causal=causal, out=cp.zeros(q.shape, q.dtype))
 
 
@@ -151,8 +151,9 @@ for b, sq, sk, h, hk, d, causal, dtype in [(1, 200, 330, 2, 1, 128, True, ml_dty
                                            (2, 1100, 1100, 8, 8, 128, False, np.float16),
                                            (4, 600, 300, 8, 8, 256, True, np.float16)]:
     q, k, v = arrays((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), dtype=dtype)
+    out = cp.zeros(q.shape, q.dtype)  # read below: zero-filled first (see forward_for_backward)
     for _ in range(2):
-        out, lse = cuflash2.flash_attn_forward(q, k, v, causal=causal)
+        cuflash2.flash_attn_forward(q, k, v, causal=causal, out=out)
     cp.cuda.get_current_stream().synchronize()
     assert bool(cp.isfinite(as_float32(cp, out)).all())
     print(f"ok forward b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal}", flush=True)
