@@ -438,6 +438,10 @@ def test_short_backward_calls_run_a_persistent_grid(monkeypatch, d, causal, seql
     assert _record_backward(monkeypatch, problem)["launches"][1][1] == (10, 1, 1)
     deterministic = _record_backward(monkeypatch, problem, deterministic=True)["launches"][1][0]
     assert deterministic.deterministic and not deterministic.persistent
+    # More units than the walk's one-word place can count (1 << 27): one CTA per tile.
+    monkeypatch.setattr(wgmma_bwd, "MAX_PERSISTENT_UNITS", 3 * h * b)  # this call has 3 per (head, batch)
+    (_, (main, main_grid, _), _) = _record_backward(monkeypatch, problem)["launches"]
+    assert not main.persistent and main_grid == (6, h, b)
 
 
 def test_the_persistent_backward_is_its_own_instantiation():

@@ -189,6 +189,11 @@ def _ptr(x):
 PERSISTENT_MAX_SEQLEN = {64: 1024, 128: 2048}
 
 
+#: The persistent walk keeps a thread's place in one 32-bit word (tile index << 3, flash_bwd_sm90.cu's
+#: for_each_tile): calls with this many units or more run one CTA per tile.
+MAX_PERSISTENT_UNITS = 1 << 27
+
+
 def persistent_grid(head_dim: int, causal: bool, deterministic: bool, seqlen: int | None) -> bool:
     """Whether a call runs the persistent grid (one CTA per SM walking units of key blocks, the next
     tile's K and V loaded while the previous tile's dK and dV are stored; PersistentWalk in
@@ -244,6 +249,8 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     # Deterministic non-causal calls walk cyclically when a head's CTAs (one per SM) all fit at once.
     cyclic = config.deterministic and not config.causal and n_blocks <= sm_count(device_id)
     units_per_head = -(-n_blocks // 2)  # the persistent walk's: key blocks j and n_blocks - 1 - j
+    if config.persistent and units_per_head * h * b >= MAX_PERSISTENT_UNITS:
+        config = dataclasses.replace(config, persistent=False)
 
     def build(addresses) -> tuple:
         q_at, k_at, v_at, do_at, lse_at, delta_at, dq_at, turns_at, dk_at, dv_at = addresses
