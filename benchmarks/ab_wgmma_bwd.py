@@ -6,6 +6,9 @@ torch. Example (the previous kernel saved under kernels_cu/ first):
     git show HEAD~1:kernels_cu/wgmma/flash_bwd_sm90.cu > kernels_cu/wgmma/flash_bwd_sm90_base.cu
     python benchmarks/ab_wgmma_bwd.py --baseline wgmma/flash_bwd_sm90_base.cu --seqlen 2048,8192 --causal
 
+A kernel source from before the persistent grid takes five template parameters: add a sixth,
+`bool = false`, to its flash_bwd_sm90 template before timing it (the launch names six).
+
 FLOPs follow FA2's convention (2.5x the forward's).
 """
 
@@ -69,9 +72,11 @@ def main():
         if args.both_grids:  # each source's kernel on both grids
             variants = [(label + ("persistent " if persistent else "per-tile "), dataclasses.replace(variant, persistent=persistent))
                         for label, variant in variants for persistent in (False, True)]
-        if args.deterministic:  # each source's deterministic=True kernel too (one CTA per tile)
-            variants += [(label + "deterministic ", dataclasses.replace(variant, deterministic=True, persistent=False))
-                         for label, variant in variants if not variant.persistent]
+        if args.deterministic:  # each source's deterministic=True kernel too (always one CTA per tile)
+            deterministic = {label.replace("persistent ", "").replace("per-tile ", ""):
+                             dataclasses.replace(variant, deterministic=True, persistent=False)
+                             for label, variant in variants}
+            variants += [(label + "deterministic ", variant) for label, variant in deterministic.items()]
         for label, variant in variants:
             def run(variant=variant):
                 with stream:  # its scratch (CuPy's pool) on the same stream

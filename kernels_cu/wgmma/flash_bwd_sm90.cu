@@ -321,9 +321,8 @@ CF_DEVICE void load_key_block(const BwdParams& p, u32 smem, const Barriers& bars
 // Two producer threads, each with the few registers of the producer warpgroup: one loads every
 // tile's K and V (once the consumers have finished the previous tile's), the other the Q and dO
 // blocks of every step, running up to two steps ahead, across tile boundaries too.
-template <class T, bool kCausal, bool kDeterministic, class Walk>
-CF_DEVICE void produce_key_blocks(const BwdParams& p, u32 smem, const Barriers& bars,
-                                  const Walk& walk) {
+template <class T, bool kCausal, class Walk>
+CF_DEVICE void produce_key_blocks(const BwdParams& p, u32 smem, const Barriers& bars, const Walk& walk) {
     for_each_tile<T, kCausal>(p, walk, [&](int n_block, int head, int batch, int tile, int) {
         load_key_block<T>(p, smem, bars, tile, n_block, head, batch);
     });
@@ -527,7 +526,8 @@ CF_DEVICE void store_key_gradient(const float (&acc)[T::kGroupColumns / 2], floa
 // buffers once the copy engine has read them. In deterministic mode it first waits for the CTA's turn
 // on the query block (its counter, zero at launch, reads dq_turn) and increments the counter once
 // the reduction has completed.
-// keep_step is one step of it (`it` of its tile, `step` of the CTA).
+// keep_step is one step of it: `it` of its tile, `step` the CTA's steps before the tile (mod 4, see
+// for_each_tile) plus `it`.
 template <class T, bool kCausal, bool kDeterministic>
 CF_DEVICE void keep_step(const BwdParams& p, u32 smem, const Barriers& bars, int step, int it, int first, int n_block,
                           i64 head_index) {
@@ -567,7 +567,8 @@ CF_DEVICE void keep_dq(const BwdParams& p, u32 smem, const Barriers& bars, const
 }
 
 
-// One tile of the consumer below: `tile` of the CTA's walk, its steps numbered on from `step`.
+// One tile of the consumer below: `tile` the parity of the CTA's tiles before it, its steps numbered
+// on from `steps_before` (the CTA's steps before it, mod 4; see for_each_tile).
 template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic>
 CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, int group, int n_block, int head,
                             int batch, int tile, int steps_before) {
@@ -788,7 +789,7 @@ CF_DEVICE void run_roles(const BwdParams& p, u32 smem, const Barriers& bars, con
         registers_release<kProducerRegs>();
         if (threadIdx.x == 0) produce_query_blocks<T, kCausal, kDeterministic>(p, smem, bars, walk);
         if (threadIdx.x == 32) keep_dq<T, kCausal, kDeterministic>(p, smem, bars, walk);
-        if (threadIdx.x == 64) produce_key_blocks<T, kCausal, kDeterministic>(p, smem, bars, walk);
+        if (threadIdx.x == 64) produce_key_blocks<T, kCausal>(p, smem, bars, walk);
     } else {
         registers_claim<kConsumerRegs>();
         if constexpr (T::kSplitColumns) {
@@ -831,7 +832,11 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) flash_bwd_sm90(const __grid_
     }
     __syncthreads();
     if constexpr (kPersistent) {
+        // The host launches at most one CTA per unit (main_grid in backward.py), so every CTA has
+        // a first unit.
         __shared__ int places[kThreads];
+        static_assert(T::kSmemBytes + sizeof(places) + sizeof(ticket) <= 227 * 1024,
+                      "shared memory: the tiles and the walk's places exceed 227 KB");
         run_roles<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, PersistentWalk<T>{smem_addr(places)});
     } else {
         // Deterministic mode: key blocks from the highest down, in the order the CTAs start (the top
