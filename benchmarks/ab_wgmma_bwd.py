@@ -67,16 +67,16 @@ def main():
         runs = [("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION)), ("FA2", sdpa(SDPBackend.FLASH_ATTENTION))]
         config = wgmma_bwd.WgmmaBwdConfig(d, args.causal, args.dtype, hk != h,
                                           persistent=wgmma_bwd.persistent_grid(d, args.causal, False, s))
-        variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
-                                     for source in filter(None, args.baseline.split(","))]
+        sources = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
+                                    for source in filter(None, args.baseline.split(","))]
+        variants = list(sources)
         if args.both_grids:  # each source's kernel on both grids
-            variants = [(label + ("persistent " if persistent else "per-tile "), dataclasses.replace(variant, persistent=persistent))
-                        for label, variant in variants for persistent in (False, True)]
+            variants = [(label + ("persistent " if persistent else "per-tile "),
+                         dataclasses.replace(variant, persistent=persistent))
+                        for label, variant in sources for persistent in (False, True)]
         if args.deterministic:  # each source's deterministic=True kernel too (always one CTA per tile)
-            deterministic = {label.replace("persistent ", "").replace("per-tile ", ""):
-                             dataclasses.replace(variant, deterministic=True, persistent=False)
-                             for label, variant in variants}
-            variants += [(label + "deterministic ", variant) for label, variant in deterministic.items()]
+            variants += [(label + "deterministic ", dataclasses.replace(variant, deterministic=True, persistent=False))
+                         for label, variant in sources]
         for label, variant in variants:
             def run(variant=variant):
                 with stream:  # its scratch (CuPy's pool) on the same stream

@@ -96,7 +96,8 @@ class WgmmaBwdConfig:
 
     def short_id(self) -> str:
         return (f"wgmma_bwd_d{self.head_dim}_{'causal' if self.causal else 'full'}_{SHORT_DTYPE[self.dtype]}"
-                f"{'_gqa' if self.gqa else ''}{'_det' if self.deterministic else ''}{'_persistent' if self.persistent else ''}"
+                f"{'_gqa' if self.gqa else ''}{'_det' if self.deterministic else ''}"
+                f"{'_persistent' if self.persistent else ''}"
                 f"{'_hangcheck' if self.hang_check else ''}")
 
     def compile_options(self) -> tuple[str, ...]:
@@ -128,10 +129,11 @@ class WgmmaBwdPassConfig:
 
 def all_configs() -> list:
     """Every instantiation a call can pick (the compile check builds them all)."""
+    # seqlen None and 1: a long and a short call (persistent_grid)
     return list(dict.fromkeys(
-        WgmmaBwdConfig(d, causal, dtype, gqa, deterministic, persistent=persistent_grid(d, causal, deterministic, seqlen))
+        WgmmaBwdConfig(d, causal, dtype, gqa, deterministic, persistent=persistent_grid(d, causal, deterministic, n))
         for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES for causal in (False, True) for gqa in (False, True)
-        for deterministic in (False, True) for seqlen in (None, 1))) + [
+        for deterministic in (False, True) for n in (None, 1))) + [
         WgmmaBwdPassConfig(kernel, d, dtype) for kernel in ("rows", "dq") for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES]
 
 
@@ -205,11 +207,12 @@ def persistent_grid(head_dim: int, causal: bool, deterministic: bool, seqlen: in
     return seqlen <= PERSISTENT_MAX_SEQLEN.get(head_dim, 0)
 
 
-def main_grid(config: WgmmaBwdConfig, n_blocks: int, h: int, b: int, device_id: int) -> tuple[int, int, int]:
+def main_grid(config: WgmmaBwdConfig, n_blocks: int, units: int, h: int, b: int,
+              device_id: int) -> tuple[int, int, int]:
     """One CTA per (key block, head, batch) tile, or a persistent grid of one CTA per SM (at most
-    one per unit of key blocks j and n_blocks - 1 - j)."""
+    one per unit of key blocks j and n_blocks - 1 - j; `units` of them in all)."""
     if config.persistent:
-        return (min(-(-n_blocks // 2) * h * b, sm_count(device_id)), 1, 1)
+        return (min(units, sm_count(device_id)), 1, 1)
     return (n_blocks, h, b)
 
 
@@ -249,7 +252,8 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     # Deterministic non-causal calls walk cyclically when a head's CTAs (one per SM) all fit at once.
     cyclic = config.deterministic and not config.causal and n_blocks <= sm_count(device_id)
     units_per_head = -(-n_blocks // 2)  # the persistent walk's: key blocks j and n_blocks - 1 - j
-    if config.persistent and units_per_head * h * b >= MAX_PERSISTENT_UNITS:
+    units = units_per_head * h * b
+    if config.persistent and units >= MAX_PERSISTENT_UNITS:
         config = dataclasses.replace(config, persistent=False)
 
     def build(addresses) -> tuple:
@@ -257,11 +261,12 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
         return (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, block_n, b, sk, hk), _map(v, v_at, block_n, b, sk, hk),
                 _map(dout, do_at, block_m, b, sq, h), lse_at, delta_at, dq_at, turns_at or 0, dk_at, dv_at,
                 dk_t.strides[0], dk_t.strides[1], dk_t.strides[2], dv_t.strides[0], dv_t.strides[1], dv_t.strides[2],
-                sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale, d, units_per_head,
-                units_per_head * h * b)
+                sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale, d,
+                units_per_head, units)
 
     arguments = launcher.StructArguments(PARAMS, (q, k, v, dout, lse_log2_i, delta_i, dq_acc_i, turns_i, dk_t, dv_t), build)
-    launcher.launch_struct_kernel(config, device_id, stream, main_grid(config, n_blocks, h, b, device_id), arguments)
+    grid = main_grid(config, n_blocks, units, h, b, device_id)
+    launcher.launch_struct_kernel(config, device_id, stream, grid, arguments)
     launcher.launch_kernel(WgmmaBwdPassConfig("dq", kd, shape.dtype), device_id, stream, (m_blocks, h, b),
                            (_ptr(dq_acc_i.data_ptr), _ptr(dq.data_ptr), *map(_i64, dq.strides[:3]), _i32(sq), _i32(h),
                             _i32(m_blocks), np.float32(scale), _i32(d)))
