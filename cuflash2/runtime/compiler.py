@@ -269,6 +269,20 @@ def compile_cubin(config: KernelConfig, arch: str) -> bytes:
         return _whole_elf(nvrtc.getCUBIN(program))
 
 
+def compile_ptx(config: KernelConfig, arch: str) -> str:
+    """The PTX NVRTC generates for `config` on `arch`, no GPU needed: for tests that read the
+    instruction mix (say, integer divisions left in a store loop). Raises RuntimeError with NVRTC's
+    log when the source does not compile."""
+    with _offline_program(config) as (nvrtc, program):
+        try:
+            nvrtc.compileProgram(program, _offline_options(config, arch))
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{config.template_name()} does not compile for {arch}:\n"
+                               f"{nvrtc.getProgramLog(program)}") from exc
+        ptx = nvrtc.getPTX(program)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
 _ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
 
 

@@ -496,27 +496,32 @@ CF_DEVICE void stage_query_gradient_in_stage(const float (&dq)[64], u32 smem, in
 
 // This thread's two rows of dK or dV (the group's columns from col0): 16-bit pairs into the
 // gradient, or fp32 pairs into the per-query-head accumulator (GQA); columns up to the call's head dim.
+// Each row's address is computed once, before the column tests: under the tests the compiler would
+// repeat it (a division by kv_group and 64-bit products) for every column pair.
 template <class T, bool kBf16, bool kGqa>
 CF_DEVICE void store_key_gradient(const float (&acc)[T::kGroupColumns / 2], float scale, void* base, i64 batch_stride,
                                   i64 row_stride, i64 head_stride, const int (&key)[2], int col0, int head, int batch,
                                   int lane, const BwdParams& p) {
+    const int first_col = col0 + 2 * (lane % 4);
+    const i64 head_offset = kGqa ? (i64)head * p.head_dim : (i64)(head / p.kv_group) * head_stride;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (key[r] >= p.seqlen_k) continue;
+        if constexpr (kGqa) {
+            float* row = static_cast<float*>(base) + ((i64)batch * p.seqlen_k + key[r]) * p.nheads * p.head_dim +
+                         head_offset + first_col;
 #pragma unroll
-        for (int j = 0; j < T::kGroupColumns / 8; ++j) {
-            const int col = col0 + 8 * j + 2 * (lane % 4);
-            if (col >= p.head_dim) continue;
-            const float lo = acc[4 * j + 2 * r] * scale, hi = acc[4 * j + 2 * r + 1] * scale;
-            if constexpr (kGqa) {
-                float* out = static_cast<float*>(base) +
-                             (((i64)batch * p.seqlen_k + key[r]) * p.nheads + head) * p.head_dim;
-                *reinterpret_cast<float2*>(out + col) = make_float2(lo, hi);
-            } else {
-                u16* out = static_cast<u16*>(base) + batch * batch_stride + key[r] * row_stride +
-                           (head / p.kv_group) * head_stride;
-                *reinterpret_cast<u32*>(out + col) = Element16<kBf16>::pack(lo, hi);
-            }
+            for (int j = 0; j < T::kGroupColumns / 8; ++j)
+                if (first_col + 8 * j < p.head_dim)
+                    *reinterpret_cast<float2*>(row + 8 * j) =
+                        make_float2(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+        } else {
+            u16* row = static_cast<u16*>(base) + batch * batch_stride + key[r] * row_stride + head_offset + first_col;
+#pragma unroll
+            for (int j = 0; j < T::kGroupColumns / 8; ++j)
+                if (first_col + 8 * j < p.head_dim)
+                    *reinterpret_cast<u32*>(row + 8 * j) =
+                        Element16<kBf16>::pack(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
         }
     }
 }

@@ -183,12 +183,13 @@ def _ptr(x):
 
 
 #: The longest call (the longer of seqlen_q and seqlen_k) that runs the persistent grid, per kernel
-#: head dim. Kernel A/B on an H200 (bf16, 3 rounds in turn, two runs, against one CTA per tile):
-#: d128 causal +2-3% at 512-2k, non-causal +1.5% at 512 and -0.6..+2% at 1k-2k, both -2..-7% at 16k;
-#: d64 causal +3% at 512, +1-2% at 1k, -7..-11% from 4k; d256 -3..-14% at every length. Short
-#: calls gain from loading the next tile's K and V during the dK/dV stores; a long call's tiles are
-#: many, and the hardware's dynamic order of one-tile CTAs beats the static walk's last round.
-PERSISTENT_MAX_SEQLEN = {64: 1024, 128: 2048}
+#: head dim and mask. Kernel A/B on an H200 (bf16, 3 rounds in turn, against one CTA per tile):
+#: d128 non-causal +4% at 512, +3% at 1k, even at 2k, -1..-7% from 4k; d128 causal -1..-3% at 512-4k
+#: and -6% at 16k; d64 causal +5% at 512, +1-2% at 1k-2k, -7% at 8k; d64 non-causal +1% at 512 and
+#: -7% at 2k; d256 -2..-5% at every length. Short calls gain from loading the next tile's K and V
+#: during the dK/dV stores; a long call's tiles are many, and the hardware's dynamic order of
+#: one-tile CTAs beats the static walk's last round.
+PERSISTENT_MAX_SEQLEN = {(64, True): 1024, (128, False): 1024}
 
 
 #: The persistent walk keeps a thread's place in one 32-bit word (tile index << 3, flash_bwd_sm90.cu's
@@ -200,11 +201,11 @@ def persistent_grid(head_dim: int, causal: bool, deterministic: bool, seqlen: in
     """Whether a call runs the persistent grid (one CTA per SM walking units of key blocks, the next
     tile's K and V loaded while the previous tile's dK and dV are stored; PersistentWalk in
     flash_bwd_sm90.cu): short calls (`seqlen`, see PERSISTENT_MAX_SEQLEN; None: long or unknown) at
-    kernel head dims 64 (causal only: the non-causal instantiation spills) and 128, not in
-    deterministic mode (whose turns follow the order one-tile CTAs start in)."""
-    if deterministic or seqlen is None or (head_dim == 64 and not causal):
+    the kernel head dims and masks that gain from it, not in deterministic mode (whose turns follow
+    the order one-tile CTAs start in)."""
+    if deterministic or seqlen is None:
         return False
-    return seqlen <= PERSISTENT_MAX_SEQLEN.get(head_dim, 0)
+    return seqlen <= PERSISTENT_MAX_SEQLEN.get((head_dim, causal), 0)
 
 
 def main_grid(config: WgmmaBwdConfig, n_blocks: int, units: int, h: int, b: int,
