@@ -56,6 +56,21 @@ def test_short_calls_above_head_dim_64_stage_the_output_beside_v_up_to_128_and_o
         assert chosen[-1].staged_output == staged, (seqlen_q, seqlen_k)
 
 
+def test_long_non_causal_calls_at_head_dim_128_take_wider_key_blocks():
+    """Head dims 113-128, non-causal, longer than SHORT_SEQLEN or of unknown length: 160-key blocks
+    (measured faster there); short or causal calls and other head dims keep their blocks."""
+    long, short = wgmma_fwd.SHORT_SEQLEN + 1, wgmma_fwd.SHORT_SEQLEN
+    for d in (120, 128):
+        for seqlen in (long, None):
+            config = wgmma_fwd.forward_config(d, "float16", False, seqlen=seqlen)
+            assert config.block_n == wgmma_fwd.WIDE_BLOCK_N == 160 and config.groups == 2, config
+            assert not config.staged_output and config in wgmma_fwd.all_configs()
+        assert wgmma_fwd.forward_config(d, "bfloat16", False, seqlen=short).block_n == 128
+        assert wgmma_fwd.forward_config(d, "bfloat16", True, seqlen=long).block_n == 128
+    assert wgmma_fwd.forward_config(96, "bfloat16", False, seqlen=long).block_n == 128
+    assert wgmma_fwd.forward_config(64, "bfloat16", False, seqlen=long).block_n == 128
+
+
 def test_short_causal_calls_at_small_head_dims_take_two_warpgroups(monkeypatch):
     """Up to head dim 64 the forward runs three consumer warpgroups (192 query rows), except on
     causal calls whose query and key lengths are both short, where a 128-row tile wastes less of

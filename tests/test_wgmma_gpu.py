@@ -78,6 +78,23 @@ def test_gqa_and_many_tiles_per_cta(ran, seqlen, head_dim, heads, heads_kv, caus
 
 
 @hopper_only
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [120, 128])
+@pytest.mark.parametrize("sq, sk", [(1100, 1030), (2000, 1700), (1025, 4097), (3000, 161)])
+def test_long_non_causal_calls_on_wide_key_blocks(ran, head_dim, sq, sk, dtype):
+    """Long non-causal calls at head dim 128 run 160-key blocks: key lengths that are not multiples
+    of them (a partial last block, a single block plus one key), more tiles than SMs."""
+    import cupy as cp
+
+    from cuflash2.families.wgmma import forward as wgmma_forward
+
+    assert wgmma_forward.forward_config(head_dim, "bfloat16", False, seqlen=max(sq, sk)).block_n == 160
+    q, k, v = make_inputs(cp, 2, sq, sk, 16, 8, head_dim, dtype, stable_seed("wgmma-wide", head_dim, sq, sk, dtype))
+    check_forward(cp, q, k, v, False)
+    assert ran == {"wgmma": 1, "mma_sync": 0}
+
+
+@hopper_only
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("sq, sk", [(2048, 128), (1024, 100)])
 def test_causal_tiles_that_see_no_key(ran, head_dim, sq, sk):
