@@ -256,16 +256,24 @@ def compile_offline(config: KernelConfig, arch: str) -> CompileReport:
                          **stats)
 
 
-def compile_cubin(config: KernelConfig, arch: str) -> bytes:
-    """The cubin (ELF image) NVRTC builds for `config` on `arch` (e.g. "sm_90a"), no GPU needed: for
-    reading the generated SASS with a disassembler (scripts/softmax_overlap.py). Raises RuntimeError
-    with NVRTC's log when the source does not compile."""
+@contextlib.contextmanager
+def _compiled_program(config: KernelConfig, arch: str):
+    """(NVRTC, the program of `config` compiled for `arch`); RuntimeError with NVRTC's log when the
+    source does not compile."""
     with _offline_program(config) as (nvrtc, program):
         try:
             nvrtc.compileProgram(program, _offline_options(config, arch))
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"{config.template_name()} does not compile for {arch}:\n"
                                f"{nvrtc.getProgramLog(program)}") from exc
+        yield nvrtc, program
+
+
+def compile_cubin(config: KernelConfig, arch: str) -> bytes:
+    """The cubin (ELF image) NVRTC builds for `config` on `arch` (e.g. "sm_90a"), no GPU needed: for
+    reading the generated SASS with a disassembler (scripts/softmax_overlap.py). Raises RuntimeError
+    with NVRTC's log when the source does not compile."""
+    with _compiled_program(config, arch) as (nvrtc, program):
         return _whole_elf(nvrtc.getCUBIN(program))
 
 
@@ -273,12 +281,7 @@ def compile_ptx(config: KernelConfig, arch: str) -> str:
     """The PTX NVRTC generates for `config` on `arch`, no GPU needed: for tests that read the
     instruction mix (say, integer divisions left in a store loop). Raises RuntimeError with NVRTC's
     log when the source does not compile."""
-    with _offline_program(config) as (nvrtc, program):
-        try:
-            nvrtc.compileProgram(program, _offline_options(config, arch))
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"{config.template_name()} does not compile for {arch}:\n"
-                               f"{nvrtc.getProgramLog(program)}") from exc
+    with _compiled_program(config, arch) as (nvrtc, program):
         ptx = nvrtc.getPTX(program)
     return ptx.decode() if isinstance(ptx, bytes) else ptx
 
