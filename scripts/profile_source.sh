@@ -17,7 +17,7 @@ else
     LIMIT=()
 fi
 for dim in ${DIMS:-64 128}; do
-    ncu --clock-control none -k regex:"$KERNELS" "${LIMIT[@]}" \
+    ncu --clock-control none -k regex:"$KERNELS" ${LIMIT[@]+"${LIMIT[@]}"} \
         --section WarpStateStats --section SourceCounters --section SpeedOfLight \
         -o "$OUT/src-d$dim" -f "${RUN[@]/DIM/$dim}" > "$OUT/ncu-src-d$dim.log" 2>&1
     echo "d$dim: exit $?"

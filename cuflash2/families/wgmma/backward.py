@@ -185,10 +185,10 @@ def _ptr(x):
 #: The longest call (the longer of seqlen_q and seqlen_k) that runs the persistent grid, per kernel
 #: head dim and mask. Kernel A/B on an H200 (bf16, 3 rounds in turn, against one CTA per tile):
 #: d128 non-causal +4% at 512, +3% at 1k, even at 2k, -1..-7% from 4k; d128 causal -1..-3% at 512-4k
-#: and -6% at 16k; d64 causal +5% at 512, +1-2% at 1k-2k, -7% at 8k; d64 non-causal +1% at 512 and
-#: -7% at 2k; d256 -2..-5% at every length. Short calls gain from loading the next tile's K and V
-#: during the dK/dV stores; a long call's tiles are many, and the hardware's dynamic order of
-#: one-tile CTAs beats the static walk's last round.
+#: and -6% at 16k; d64 causal +5% at 512, +1.5% at 1k, +1% at 2k (within noise), -7% at 8k; d64
+#: non-causal +1% at 512 and -7% at 2k; d256 -1..-5% at 512-2k. Short calls gain from loading the
+#: next tile's K and V during the dK/dV stores; a long call's tiles are many, and the hardware's
+#: dynamic order of one-tile CTAs beats the static walk's last round.
 PERSISTENT_MAX_SEQLEN = {(64, True): 1024, (128, False): 1024}
 
 
