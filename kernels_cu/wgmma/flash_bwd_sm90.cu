@@ -507,21 +507,16 @@ CF_DEVICE void store_key_gradient(const float (&acc)[T::kGroupColumns / 2], floa
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (key[r] >= p.seqlen_k) continue;
-        if constexpr (kGqa) {
-            float* row = static_cast<float*>(base) + ((i64)batch * p.seqlen_k + key[r]) * p.nheads * p.head_dim +
-                         head_offset + first_col;
+        const i64 row = (kGqa ? ((i64)batch * p.seqlen_k + key[r]) * p.nheads * p.head_dim
+                              : batch * batch_stride + key[r] * row_stride) + head_offset + first_col;  // elements
 #pragma unroll
-            for (int j = 0; j < T::kGroupColumns / 8; ++j)
-                if (first_col + 8 * j < p.head_dim)
-                    *reinterpret_cast<float2*>(row + 8 * j) =
-                        make_float2(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
-        } else {
-            u16* row = static_cast<u16*>(base) + batch * batch_stride + key[r] * row_stride + head_offset + first_col;
-#pragma unroll
-            for (int j = 0; j < T::kGroupColumns / 8; ++j)
-                if (first_col + 8 * j < p.head_dim)
-                    *reinterpret_cast<u32*>(row + 8 * j) =
-                        Element16<kBf16>::pack(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+        for (int j = 0; j < T::kGroupColumns / 8; ++j) {
+            if (first_col + 8 * j >= p.head_dim) continue;
+            const float lo = acc[4 * j + 2 * r] * scale, hi = acc[4 * j + 2 * r + 1] * scale;
+            if constexpr (kGqa)
+                *reinterpret_cast<float2*>(static_cast<float*>(base) + row + 8 * j) = make_float2(lo, hi);
+            else
+                *reinterpret_cast<u32*>(static_cast<u16*>(base) + row + 8 * j) = Element16<kBf16>::pack(lo, hi);
         }
     }
 }
