@@ -491,19 +491,7 @@ CF_DEVICE void store_output(const float (&o)[Tl::kORegs], const RowStats& stats,
         if (issuer && store_pending) bulk_wait_read<0>();
         output_barrier(group);
     }
-    // Lane l addresses row l % 8 of block l / 8: blocks 0 and 1 are rows 0-7 and 8-15 of the warp
-    // at columns 8j, blocks 2 and 3 the same rows at 8 (j + 1).
-    const int block = lane / 8, row = 16 * warp + 8 * (block % 2) + lane % 8;
-#pragma unroll
-    for (int j = 0; j < Tl::kORegs / 4; j += 2) {
-        u32 r[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int at = 4 * (j + i / 2) + 2 * (i % 2);  // block i: rows i % 2, columns of j + i / 2
-            r[i] = Element16<kBf16>::pack(o[at] * inv[i % 2], o[at + 1] * inv[i % 2]);
-        }
-        stmatrix_x4(o_panels + (j / 8) * kPanelBytes + swizzled_chunk(row, j % 8 + block / 2), r);
-    }
+    stage_accumulator<kBf16>(o, inv, o_panels, kPanelBytes, warp, lane);
     fence_proxy_async_smem();  // the stmatrix writes, before the TMA (async proxy) reads them
     output_barrier(group);
     if (issuer) {

@@ -171,6 +171,27 @@ CF_DEVICE u64 smem_descriptor(u32 saddr, u32 leading_bytes, u32 stride_bytes) {
 // Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in such a panel.
 CF_DEVICE u32 swizzled_chunk(int row, int chunk) { return row * 128 + ((chunk ^ (row % 8)) * 16); }
 
+// A warpgroup's 64-row fp32 accumulator (register 4j + 2r + e: row 16 warp + lane/4 + 8r, column
+// 8j + 2 (lane%4) + e), rows times scale[r], as 16-bit values into 64-column panels (`panel_bytes`
+// apart from `panels`) laid out as a TMA store of SWIZZLE_128B boxes reads them. stmatrix writes
+// four 8 x 8 blocks per instruction: lane l addresses row l % 8 of block l / 8; blocks 0 and 1 are
+// rows 0-7 and 8-15 of the warp at columns 8j, blocks 2 and 3 the same rows at 8 (j + 1).
+template <bool kBf16, int kRegs>
+CF_DEVICE void stage_accumulator(const float (&acc)[kRegs], const float (&scale)[2], u32 panels, u32 panel_bytes,
+                                 int warp, int lane) {
+    const int block = lane / 8, row = 16 * warp + 8 * (block % 2) + lane % 8;
+#pragma unroll
+    for (int j = 0; j < kRegs / 4; j += 2) {
+        u32 r[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int at = 4 * (j + i / 2) + 2 * (i % 2);  // block i: rows i % 2, columns of j + i / 2
+            r[i] = Element16<kBf16>::pack(acc[at] * scale[i % 2], acc[at + 1] * scale[i % 2]);
+        }
+        stmatrix_x4(panels + (j / 8) * panel_bytes + swizzled_chunk(row, j % 8 + block / 2), r);
+    }
+}
+
 // ---- register reallocation and named barriers --------------------------------------------------
 template <int kRegs>
 CF_DEVICE void registers_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(kRegs)); }
