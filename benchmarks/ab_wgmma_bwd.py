@@ -13,6 +13,7 @@ FLOPs follow FA2's convention (2.5x the forward's).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import math
 
@@ -28,6 +29,18 @@ from cuflash2.problem.features import AttentionProblem
 from cuflash2.problem.tensors import AttentionShape
 
 
+@contextlib.contextmanager
+def registers_only():
+    """The host decides that dK and dV are stored from registers. A plain attribute swap: mock.patch
+    cost enough host time per call to slow the timed loop by up to 5%."""
+    decide = wgmma_bwd.stores_key_gradients_by_tma
+    wgmma_bwd.stores_key_gradients_by_tma = lambda *args: False
+    try:
+        yield
+    finally:
+        wgmma_bwd.stores_key_gradients_by_tma = decide
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqlen", default="2048,8192", help="comma list; batch = 16384 // seqlen, 2048 // d heads")
@@ -41,6 +54,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="times every variant once per round, in turn")
     parser.add_argument("--both-grids", action="store_true",
                         help="time each kernel with one CTA per tile and with the persistent grid")
+    parser.add_argument("--register-stores", action="store_true",
+                        help="also time each kernel with dK and dV stored from registers (not by TMA)")
     args = parser.parse_args()
     d, dtype = args.head_dim, getattr(torch, args.dtype)
     h = 2048 // d  # FA2's grid: model dim 2048
@@ -77,11 +92,15 @@ def main():
         if args.deterministic:  # each source's deterministic=True kernel too (always one CTA per tile)
             variants += [(label + "deterministic ", dataclasses.replace(variant, deterministic=True, persistent=False))
                          for label, variant in sources]
+        stores = [("", contextlib.nullcontext)]
+        if args.register_stores:
+            stores.append(("registers ", registers_only))
         for label, variant in variants:
-            def run(variant=variant):
-                with stream:  # its scratch (CuPy's pool) on the same stream
-                    wgmma_bwd.backward(problem, *infos, 0, stream, config=variant)
-            runs.append((f"{label}wgmma", run))
+            for store_label, store in stores:
+                def run(variant=variant, store=store):
+                    with stream, store():  # its scratch (CuPy's pool) on the same stream
+                        wgmma_bwd.backward(problem, *infos, 0, stream, config=variant)
+                runs.append((f"{label}{store_label}wgmma", run))
         print(f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: {timed_in_turn(runs, flops, args.rounds)} TFLOP/s",
               flush=True)
 

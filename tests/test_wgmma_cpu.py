@@ -351,8 +351,10 @@ def test_scratch_of_a_captured_call_lives_on(monkeypatch):
     assert launcher._captured_scratch == [array]
 
 
-def test_backward_params_struct_is_the_kernels_704_bytes():
-    assert wgmma_bwd.PARAMS.size == 704  # flash_bwd_sm90.cu static_asserts sizeof(BwdParams) == 704
+def test_backward_params_struct_is_the_kernels_size():
+    source = (compiler.kernel_dir() / wgmma_bwd.SOURCE).read_text()
+    size = int(re.search(r"sizeof\(BwdParams\) == (\d+)", source).group(1))  # the kernel's static_assert
+    assert wgmma_bwd.PARAMS.size == size == 960
 
 
 def test_the_backward_runs_head_dims_32_to_128_and_leaves_the_rest(monkeypatch):
@@ -394,7 +396,7 @@ def _record_backward(monkeypatch, problem, deterministic=False):
     q, dout, out, dq = (contiguous_info((b, sq, h, d), "bfloat16", 2, "cuda:0", (1 + i) << 24) for i in range(4))
     k, v, dk, dv = (contiguous_info((b, sk, hk, d), "bfloat16", 2, "cuda:0", (5 + i) << 24) for i in range(4))
     lse = contiguous_info((b, h, sq), "float32", 4, "cuda:0", 9 << 24)
-    record = dict(scratch=[], launches=[], maps=[], converts=[], tensors=dict(q=q, k=k, v=v, dout=dout))
+    record = dict(scratch=[], launches=[], maps=[], converts=[], tensors=dict(q=q, k=k, v=v, dout=dout, dk=dk, dv=dv))
 
     def fake_scratch(shape, dtype=None, zero=False):
         record["scratch"].append((tuple(shape), np.dtype(dtype or np.float32).name, zero))
@@ -441,18 +443,39 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
     assert scratch[2] == ((b, h, m_blocks, block_m * kd), "float32", True)  # the dQ accumulator, zeroed
     assert len(scratch) == (5 if gqa else 3)  # + dK, dV per query head with GQA; no turn counters
     assert len(record["converts"]) == (2 if gqa else 0)
+    # dK and dV go out by TMA store (one box per group's 64 keys) unless GQA sums them per query
+    # head first or the split tile (kernel head dim 256) stores them.
+    by_tma = not gqa and kd != 256
     # Q and dO in boxes of the query block, K and V of the CTA's keys; dims innermost first.
     assert maps == [(t["q"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1)),
                     (t["k"].data_ptr, (d, sk, hk, b), (64, block_n, 1, 1)),
                     (t["v"].data_ptr, (d, sk, hk, b), (64, block_n, 1, 1)),
-                    (t["dout"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1))]
-    # ..., turns pointer, dk, dv, 6 i64, 6 ints, 2 floats, head dim, the persistent walk's units
+                    (t["dout"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1))] + [
+                    (t[name].data_ptr, (d, sk, hk, b), (64, 64, 1, 1)) for name in ("dk", "dv") if by_tma]
+    # ..., turns pointer, dk, dv, 6 i64, 6 ints, 2 floats, head dim, the persistent walk's units, the
+    # dK/dV store flag
     fields = wgmma_bwd.PARAMS.unpack(packed)
-    assert fields[-20] == 0  # no turn counters
-    assert fields[-11:-5] == (sq, sk, h, h // hk, m_blocks, 0)
-    assert fields[-4] == pytest.approx(0.1) and fields[-5] == pytest.approx(0.1 * 1.4426950408889634)
-    assert fields[-3] == d  # the call's head dim: the kernel stores its columns, loads the rest as zeros
-    assert fields[-2:] == (units_per_head, units_per_head * h * b)
+    assert fields[-21] == 0  # no turn counters
+    assert fields[-12:-6] == (sq, sk, h, h // hk, m_blocks, 0)
+    assert fields[-5] == pytest.approx(0.1) and fields[-6] == pytest.approx(0.1 * 1.4426950408889634)
+    assert fields[-4] == d  # the call's head dim: the kernel stores its columns, loads the rest as zeros
+    assert fields[-3:] == (units_per_head, units_per_head * h * b, int(by_tma))
+
+
+@pytest.mark.parametrize("offset, row_stride", [(4, None), (0, 4 * 128 + 2)])
+def test_key_gradients_that_no_map_describes_are_stored_from_registers(monkeypatch, offset, row_stride):
+    """dK or dV at an address or with strides a TMA map cannot take (a base not 16-byte aligned,
+    a row stride that is not a multiple of 8 elements) make the kernel store both from registers
+    (the flag off, no dK/dV maps), as it does with GQA."""
+    b, s, h, d = 2, 300, 4, 128
+    dk = contiguous_info((b, s, h, d), "bfloat16", 2, "cuda:0", (7 << 24) + offset)
+    if row_stride is not None:
+        dk = dataclasses.replace(dk, strides=(s * row_stride, row_stride, d, 1))
+    dv = contiguous_info((b, s, h, d), "bfloat16", 2, "cuda:0", 8 << 24)
+    assert wgmma_bwd.stores_key_gradients_by_tma(128, False, dv, dv)
+    assert not wgmma_bwd.stores_key_gradients_by_tma(128, False, dk, dv)
+    assert not wgmma_bwd.stores_key_gradients_by_tma(128, True, dv, dv)  # GQA: fp32 sums per query head
+    assert not wgmma_bwd.stores_key_gradients_by_tma(256, False, dv, dv)  # the split tile's own stores
 
 
 @pytest.mark.parametrize("d, causal, seqlen, persistent", [
@@ -472,7 +495,7 @@ def test_short_backward_calls_run_a_persistent_grid(monkeypatch, d, causal, seql
         units = -(-n_blocks // 2) * h * b
         assert main.persistent == persistent
         assert main_grid == ((min(units, 132), 1, 1) if persistent else (n_blocks, h, b))
-        assert wgmma_bwd.PARAMS.unpack(packed)[-1] == units
+        assert wgmma_bwd.PARAMS.unpack(packed)[-2] == units
     monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: 10)  # fewer SMs than units: one CTA per SM
     problem = AttentionProblem(AttentionShape(b, 700, 700, h, h, 128, "bfloat16", 0.1), False)
     assert _record_backward(monkeypatch, problem)["launches"][1][1] == (10, 1, 1)
@@ -513,7 +536,7 @@ def test_the_deterministic_backward_gets_zeroed_turn_counters_and_its_walk(monke
     assert main.deterministic and main_grid == (-(-sk // 128), h, b)  # 8 key blocks
     assert record["scratch"][3] == ((b, h, m_blocks + 1), "int32", True)  # turn counters, then a ticket
     fields = wgmma_bwd.PARAMS.unpack(packed)
-    assert fields[-20] != 0 and fields[-6] == cyclic
+    assert fields[-21] != 0 and fields[-7] == cyclic
 
 
 def test_the_deterministic_backward_is_its_own_instantiation():

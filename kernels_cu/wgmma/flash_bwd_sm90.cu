@@ -58,6 +58,8 @@
 
 struct BwdParams {
     TensorMap q_map, k_map, v_map, do_map;  // (head_dim, seqlen, heads, batch); Q/dO boxes {64, kBlockM}, K/V {64, kBlockN}
+    TensorMap dk_map, dv_map;               // (head_dim, seqlen_k, heads, batch), boxes {64, 64}: with
+                                            //   dkv_by_tma, where the TMA stores dK and dV (not with GQA)
     const float* lse_log2;                  // (batch, heads, m_blocks * kBlockM): LSE * log2(e), +inf past seqlen_q
     const float* delta;                     // (batch, heads, m_blocks * kBlockM): rowsum(dO * O), 0 past seqlen_q
     float* dq_acc;                          // (batch, heads, m_blocks, DqFragments) fp32, zero at launch
@@ -76,8 +78,10 @@ struct BwdParams {
                                             //   past it load as zeros)
     int units_per_head, units;              // the persistent walk (PersistentWalk): units of key blocks per
                                             //   (head, batch), and in all
+    int dkv_by_tma;                         // dK and dV stored through dk_map and dv_map (strides the TMA
+                                            //   takes, 16-bit, no GQA); else from registers
 };
-static_assert(sizeof(BwdParams) == 704, "BwdParams: host layout (4 maps, 6 pointers, 6 i64, 6 int, 2 float, 3 int)");
+static_assert(sizeof(BwdParams) == 960, "BwdParams: host layout (6 maps, 6 pointers, 6 i64, 6 int, 2 float, 4 int)");
 
 namespace bwd {
 
@@ -130,8 +134,17 @@ struct BwdTile {
     CF_DEVICE static u32 dq_staging(u32 smem, int stage) { return kSplitColumns ? q_tile(smem, stage) : smem + kDq; }
 };
 
-// Named barriers: both consumer groups' dS^T are in shared memory; split: P^T handed over (kPBarrier).
-enum : int { kDsBarrier = 1, kPBarrier = 2 };
+// Named barriers: both consumer groups' dS^T are in shared memory; split: P^T handed over (kPBarrier);
+// both groups' last dQ products have read K (kKeyGradientBarrier); one group's dK and dV are staged,
+// then stored (kGroupBarrier0 + group).
+enum : int { kDsBarrier = 1, kPBarrier = 2, kKeyGradientBarrier = 3, kGroupBarrier0 = 4 };
+
+CF_DEVICE void group_barrier(int group) {
+    if (group == 0)
+        named_barrier_sync<kGroupBarrier0, 128>();
+    else
+        named_barrier_sync<kGroupBarrier0 + 1, 128>();
+}
 
 struct Barriers {
     u32 base;
@@ -399,12 +412,30 @@ CF_DEVICE bool block_needs_mask(int m_block, int n_block, const BwdParams& p) {
     return last_key >= p.seqlen_k || (kCausal && last_key > m_block * T::kBlockM + p.seqlen_k - p.seqlen_q);
 }
 
-template <class T, bool kCausal, bool kMasked>
+// A per-query value (LSE or D) of this thread's query columns: [j] holds columns 8j + 2 (lane%4)
+// + {0, 1}. SharedQueryValues reads each where it is used; LoadedQueryValues holds them all in
+// registers, read ahead of their use.
+struct SharedQueryValues {
+    u32 rows;
+    int lane;
+    CF_DEVICE float2 operator[](int j) const { return ld_shared_f32x2(rows + (8 * j + 2 * (lane % 4)) * 4); }
+};
+template <int kBlockM>
+struct LoadedQueryValues {
+    float2 values[kBlockM / 8];
+    CF_DEVICE LoadedQueryValues(SharedQueryValues shared) {
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) values[j] = shared[j];
+    }
+    CF_DEVICE float2 operator[](int j) const { return values[j]; }
+};
+
+template <class T, bool kCausal, bool kMasked, class Values>
 CF_DEVICE void probabilities(float (&s)[T::kBlockM / 2], const int (&key)[2], int query0, int lane,
-                             const BwdParams& p, u32 lse_rows) {
+                             const BwdParams& p, const Values& lse_values) {
 #pragma unroll
     for (int j = 0; j < T::kBlockM / 8; ++j) {
-        const float2 lse = ld_shared_f32x2(lse_rows + (8 * j + 2 * (lane % 4)) * 4);
+        const float2 lse = lse_values[j];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int query = query0 + 8 * j + 2 * (lane % 4) + e;
@@ -421,11 +452,11 @@ CF_DEVICE void probabilities(float (&s)[T::kBlockM / 2], const int (&key)[2], in
 
 // dP^T becomes dS^T = P^T (dP^T - D).
 template <class T>
-CF_DEVICE void score_gradients(float (&dp)[T::kBlockM / 2], const float (&prob)[T::kBlockM / 2], int lane,
-                               u32 delta_rows) {
+CF_DEVICE void score_gradients(float (&dp)[T::kBlockM / 2], const float (&prob)[T::kBlockM / 2], u32 delta_rows,
+                               int lane) {
 #pragma unroll
     for (int j = 0; j < T::kBlockM / 8; ++j) {
-        const float2 d = ld_shared_f32x2(delta_rows + (8 * j + 2 * (lane % 4)) * 4);
+        const float2 d = SharedQueryValues{delta_rows, lane}[j];
 #pragma unroll
         for (int e = 0; e < 2; ++e)
 #pragma unroll
@@ -475,6 +506,11 @@ CF_DEVICE void stage_dq_part(const float (&dq)[kN], int from, u32 part, int lane
 CF_DEVICE void stage_query_gradient(const float (&dq)[32], u32 staging, int lane, const Barriers& bars, int it) {
     mbarrier_wait(bars.dq_free(), (it & 1) ^ 1);
     stage_dq_part(dq, 0, staging, lane);
+}
+
+// Hands the staged part to the keeper. The fence waits until the warp's stores have landed, so it is
+// called once the next step's products are issued and that wait runs beside them.
+CF_DEVICE void publish_query_gradient(int lane, const Barriers& bars) {
     fence_proxy_async_smem();  // the stores, before the copy engine reads them
     __syncwarp();
     if (lane == 0) mbarrier_arrive(bars.dq_staged(0));
@@ -519,6 +555,41 @@ CF_DEVICE void store_key_gradient(const float (&acc)[T::kGroupColumns / 2], floa
                 *reinterpret_cast<u32*>(static_cast<u16*>(base) + row + 8 * j) = Element16<kBf16>::pack(lo, hi);
         }
     }
+}
+
+// dK and dV through shared memory and the TMA. A warp's 4-byte stores of column pairs write 8 rows
+// of 16 bytes each, partial sectors the memory pipeline takes slowly; with nothing else running on
+// the SM at the end of a tile, the consumers waited on them as long as two or three steps take (ncu,
+// head dim 128 at 2k: 8% of their stall samples). Once both groups' last dQ products have read K,
+// each group stages its 64 rows of dK over its rows of the K tile and of dV over its rows of V
+// (64-column panels, swizzled as the loads wrote them), and thread 0 of the group stores them with
+// one TMA store per panel (rows past seqlen_k and columns past the head dim are dropped by the
+// copy). The K/V tiles go back to the producer once the stores have read them.
+template <class T, bool kBf16>
+CF_DEVICE void store_key_gradients_by_tma(const float (&dk)[T::kHeadDim / 2], const float (&dv)[T::kHeadDim / 2],
+                                          const BwdParams& p, u32 smem, const Barriers& bars, int group,
+                                          int n_block, int head, int batch) {
+    constexpr u32 kPanelBytes = T::kBlockN * 128;
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const u32 k_rows = smem + T::kK + group * 64 * 128, v_rows = smem + T::kV + group * 64 * 128;
+    named_barrier_sync<kKeyGradientBarrier, 256>();
+    const float dk_scale[2] = {p.softmax_scale, p.softmax_scale}, dv_scale[2] = {1.f, 1.f};
+    stage_accumulator<kBf16>(dk, dk_scale, k_rows, kPanelBytes, warp, lane);
+    stage_accumulator<kBf16>(dv, dv_scale, v_rows, kPanelBytes, warp, lane);
+    fence_proxy_async_smem();  // the stmatrix writes, before the TMA (async proxy) reads them
+    group_barrier(group);
+    if (tid == 0) {
+        const int key0 = n_block * T::kBlockN + group * 64;
+#pragma unroll
+        for (int panel = 0; panel < T::kPanels; ++panel) {
+            tma_store_4d(&p.dk_map, k_rows + panel * kPanelBytes, panel * 64, key0, head, batch);
+            tma_store_4d(&p.dv_map, v_rows + panel * kPanelBytes, panel * 64, key0, head, batch);
+        }
+        bulk_commit();
+        bulk_wait_read<0>();
+    }
+    group_barrier(group);  // every thread arrives after the stores have read its rows (racecheck)
+    mbarrier_arrive(bars.kv_empty());
 }
 
 // The dQ keeper (one thread of the producer warpgroup): per step, waits for the consumer warps'
@@ -569,10 +640,16 @@ CF_DEVICE void keep_dq(const BwdParams& p, u32 smem, const Barriers& bars, const
 
 // One tile of the consumer below: `tile` the parity of the CTA's tiles before it, its steps numbered
 // on from `steps_before` (the CTA's steps before it, mod 4; see for_each_tile).
-template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic>
+template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, bool kPersistent>
 CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, int group, int n_block, int head,
                             int batch, int tile, int steps_before) {
     constexpr int kM = T::kBlockM, kD = T::kHeadDim;
+    // With 64 query rows per step, registers are left beside S^T, dP^T, dV and dK to issue dV before
+    // dS^T is formed, and (one CTA per tile) to read the LSE values before the products are issued;
+    // at 128 rows, or with the persistent walk's state, they spill. So does handing the staged dQ
+    // to the keeper after the next step's products are issued, at 128 rows with the persistent walk.
+    constexpr bool kEarlyDv = kM == 64, kEarlyLse = kM == 64 && !kPersistent;
+    constexpr bool kLatePublish = kM == 64 || !kPersistent;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int key_row0 = group * 64 + 16 * warp + lane / 4;  // within the CTA's keys
     const int key[2] = {n_block * T::kBlockN + key_row0, n_block * T::kBlockN + key_row0 + 8};
@@ -591,30 +668,51 @@ CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, 
         const u32 lse_rows = smem + T::kLse + stage * T::kRowBytes;
         float s[kM / 2], dp[kM / 2];
         mbarrier_wait(bars.qdo_full(stage), (step / kStages) & 1);
+        // The LSE values are read before the products are issued: read after them, their latency
+        // (behind the products' shared-memory traffic) held up the exponentials.
+        const SharedQueryValues lse_shared{lse_rows, lane};
+        const auto lse = [&] {
+            if constexpr (kEarlyLse)
+                return LoadedQueryValues<kM>(lse_shared);
+            else
+                return lse_shared;
+        }();
         wgmma_fence();
         issue_transposed_scores<T, kBf16>(s, k_rows, q_tile);
         wgmma_commit();
         issue_transposed_scores<T, kBf16>(dp, v_rows, do_tile);
         wgmma_commit();
+        if (kLatePublish && it > 0) publish_query_gradient(lane, bars);  // the previous step's dQ
         wgmma_wait<1>();
         register_fence(s);
         if (block_needs_mask<T, kCausal>(m, n_block, p))
-            probabilities<T, kCausal, true>(s, key, m * kM, lane, p, lse_rows);
+            probabilities<T, kCausal, true>(s, key, m * kM, lane, p, lse);
         else
-            probabilities<T, kCausal, false>(s, key, m * kM, lane, p, lse_rows);
-        wgmma_wait<0>();
-        register_fence(dp);
-        score_gradients<T>(dp, s, lane, smem + T::kDelta + stage * T::kRowBytes);
+            probabilities<T, kCausal, false>(s, key, m * kM, lane, p, lse);
         u32 pa[kM / 16][4], dsa[kM / 16][4];
         pack_operand<kBf16>(s, pa);
+        if constexpr (kEarlyDv) {  // dV = P^T dO runs while dS^T is formed
+            register_fence(dv);
+            register_fence(pa);
+            wgmma_fence();
+            issue_key_gradient<T, kBf16>(dv, pa, do_tile);
+            wgmma_commit();
+            wgmma_wait<1>();  // dP^T
+        } else {
+            wgmma_wait<0>();
+        }
+        register_fence(dp);
+        score_gradients<T>(dp, s, smem + T::kDelta + stage * T::kRowBytes, lane);
         pack_operand<kBf16>(dp, dsa);
         store_score_gradients<T>(ds_tile, dsa, key_row0, lane);
-        register_fence(dv);
         register_fence(dk);
-        register_fence(pa);
         register_fence(dsa);
+        if constexpr (!kEarlyDv) {
+            register_fence(dv);
+            register_fence(pa);
+        }
         wgmma_fence();
-        issue_key_gradient<T, kBf16>(dv, pa, do_tile);
+        if constexpr (!kEarlyDv) issue_key_gradient<T, kBf16>(dv, pa, do_tile);
         issue_key_gradient<T, kBf16>(dk, dsa, q_tile);
         wgmma_commit();
         fence_proxy_async_smem();  // the dS^T stores, before the async proxy (wgmma) reads them
@@ -639,6 +737,12 @@ CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, 
         wgmma_wait<0>();
         register_fence(dq);
         stage_query_gradient(dq, dq_staging, lane, bars, step);
+        if (!kLatePublish) publish_query_gradient(lane, bars);
+    }
+    if (kLatePublish && p.m_blocks > first) publish_query_gradient(lane, bars);  // the tile's last step's dQ
+    if (!kGqa && p.dkv_by_tma) {
+        store_key_gradients_by_tma<T, kBf16>(dk, dv, p, smem, bars, group, n_block, head, batch);
+        return;
     }
     // K and V are read (the last dQ product has completed): the next tile's may load while dK and
     // dV are stored. Every thread arrives after its own reads (racecheck, see consume_split).
@@ -653,8 +757,8 @@ CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, 
 template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, class Walk>
 CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, const Walk& walk) {
     for_each_tile<T, kCausal>(p, walk, [&](int n_block, int head, int batch, int tile, int steps_before) {
-        consume_tile<T, kCausal, kBf16, kGqa, kDeterministic>(p, smem, bars, group, n_block, head, batch, tile,
-                                                              steps_before);
+        consume_tile<T, kCausal, kBf16, kGqa, kDeterministic, Walk::kPersistent>(p, smem, bars, group, n_block, head,
+                                                                                 batch, tile, steps_before);
     });
 }
 
@@ -700,6 +804,14 @@ CF_DEVICE void consume_split_tile(const BwdParams& p, u32 smem, const Barriers& 
         float x[kM / 2];  // group 0: S^T, then P^T; group 1: dP^T, then dS^T
         u32 pa[kM / 16][4];
         mbarrier_wait(bars.qdo_full(stage), (step / kStages) & 1);
+        // Group 0 reads the LSE values before its product is issued (as consume_tile does).
+        const SharedQueryValues lse_shared{smem + T::kLse + stage * T::kRowBytes, lane};
+        const auto lse = [&] {
+            if constexpr (group == 0)
+                return LoadedQueryValues<kM>(lse_shared);
+            else
+                return lse_shared;
+        }();
         wgmma_fence();
         issue_transposed_scores<T, kBf16>(x, smem + (group == 0 ? T::kK : T::kV), group == 0 ? q_tile : do_tile);
         wgmma_commit();
@@ -707,9 +819,9 @@ CF_DEVICE void consume_split_tile(const BwdParams& p, u32 smem, const Barriers& 
         register_fence(x);
         if constexpr (group == 0) {
             if (block_needs_mask<T, kCausal>(m, n_block, p))
-                probabilities<T, kCausal, true>(x, key, m * kM, lane, p, smem + T::kLse + stage * T::kRowBytes);
+                probabilities<T, kCausal, true>(x, key, m * kM, lane, p, lse);
             else
-                probabilities<T, kCausal, false>(x, key, m * kM, lane, p, smem + T::kLse + stage * T::kRowBytes);
+                probabilities<T, kCausal, false>(x, key, m * kM, lane, p, lse);
             hand_over(x, exchange, tid);
             named_barrier_sync_across_paths<kPBarrier, 256>();
             pack_operand<kBf16>(x, pa);
@@ -728,7 +840,7 @@ CF_DEVICE void consume_split_tile(const BwdParams& p, u32 smem, const Barriers& 
             float prob[kM / 2];
             named_barrier_sync_across_paths<kPBarrier, 256>();
             take_over(prob, exchange, tid);
-            score_gradients<T>(x, prob, lane, smem + T::kDelta + stage * T::kRowBytes);
+            score_gradients<T>(x, prob, smem + T::kDelta + stage * T::kRowBytes, lane);
             u32 dsa[kM / 16][4];
             pack_operand<kBf16>(prob, pa);
             pack_operand<kBf16>(x, dsa);

@@ -39,9 +39,12 @@ HEAD_DIMS = tuple(BLOCK_M)  # the kernel's
 #: loses (at d192 it measured 1.1-1.4x that backward, 0.93x only causal at 1k).
 HEAD_DIM_RANGES = ((32, 128), (192, 256))
 THREADS = 384
-# BwdParams (flash_bwd_sm90.cu): 4 maps, 6 pointers, 6 i64 strides, 6 ints, 2 floats, the head dim,
-# the persistent walk's units per (head, batch) and in all, padding to 704.
-PARAMS = struct.Struct("<128s128s128s128sQQQQQQqqqqqqiiiiiiffiii52x")
+# BwdParams (flash_bwd_sm90.cu): 6 maps, 6 pointers, 6 i64 strides, 6 ints, 2 floats, the head dim,
+# the persistent walk's units per (head, batch) and in all, the dK/dV store flag, padding to 960.
+PARAMS = struct.Struct("<128s128s128s128s128s128sQQQQQQqqqqqqiiiiiiffiiii48x")
+#: Rows of dK and dV per TMA store box (one consumer group's keys).
+KEY_GRADIENT_BOX_ROWS = 64
+_NO_MAP = bytes(128)
 
 
 def runs_head_dim(head_dim: int) -> bool:
@@ -170,6 +173,17 @@ def _map(t, address: int, rows: int, batch: int, seqlen: int, heads: int) -> byt
                                     (t.strides[1] * 2, t.strides[2] * 2, t.strides[0] * 2), (64, rows, 1, 1))
 
 
+def stores_key_gradients_by_tma(kernel_head_dim: int, gqa: bool, dk, dv) -> bool:
+    """Whether the kernel stores dK and dV through shared memory and the TMA (store_key_gradients_by_tma
+    in flash_bwd_sm90.cu): 16-bit outputs written directly (no GQA, whose per-head fp32 sums are
+    converted after), by the tiles whose groups each hold 64 whole rows (not the split tile), when
+    both tensors fit a map; otherwise the kernel stores them from registers."""
+    if gqa or kernel_head_dim in SPLIT_HEAD_DIMS:
+        return False
+    return all(t.strides[-1] == 1 and tensor_maps.strides_fit(t.data_ptr, [s * t.itemsize for s in t.strides[:-1]],
+                                                             t.shape[:-1]) for t in (dk, dv))
+
+
 def _i64(x):
     return np.int64(x)
 
@@ -253,17 +267,21 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     # Deterministic non-causal calls walk cyclically when a head's CTAs (one per SM) all fit at once.
     cyclic = config.deterministic and not config.causal and n_blocks <= sm_count(device_id)
     units_per_head = -(-n_blocks // 2)  # the persistent walk's: key blocks j and n_blocks - 1 - j
+    dkv_by_tma = stores_key_gradients_by_tma(kd, gqa, dk, dv)
     units = units_per_head * h * b
     if config.persistent and units >= MAX_PERSISTENT_UNITS:
         config = dataclasses.replace(config, persistent=False)
 
     def build(addresses) -> tuple:
         q_at, k_at, v_at, do_at, lse_at, delta_at, dq_at, turns_at, dk_at, dv_at = addresses
-        return (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, block_n, b, sk, hk), _map(v, v_at, block_n, b, sk, hk),
-                _map(dout, do_at, block_m, b, sq, h), lse_at, delta_at, dq_at, turns_at or 0, dk_at, dv_at,
+        loads = (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, block_n, b, sk, hk),
+                 _map(v, v_at, block_n, b, sk, hk), _map(dout, do_at, block_m, b, sq, h))
+        stores = (tuple(_map(t, at, KEY_GRADIENT_BOX_ROWS, b, sk, hk) for t, at in ((dk, dk_at), (dv, dv_at)))
+                  if dkv_by_tma else (_NO_MAP, _NO_MAP))
+        return (*loads, *stores, lse_at, delta_at, dq_at, turns_at or 0, dk_at, dv_at,
                 dk_t.strides[0], dk_t.strides[1], dk_t.strides[2], dv_t.strides[0], dv_t.strides[1], dv_t.strides[2],
                 sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale, d,
-                units_per_head, units)
+                units_per_head, units, int(dkv_by_tma))
 
     arguments = launcher.StructArguments(PARAMS, (q, k, v, dout, lse_log2_i, delta_i, dq_acc_i, turns_i, dk_t, dv_t), build)
     grid = main_grid(config, n_blocks, units, h, b, device_id)
