@@ -404,6 +404,44 @@ def test_the_persistent_hopper_backward_walks_many_tiles_per_cta(monkeypatch, d,
 
 
 @hopper_only
+@pytest.mark.parametrize("d", [40, 64, 128])
+def test_the_key_gradient_stores_write_every_element_and_nothing_else(monkeypatch, d):
+    """dk= and dv= as strided views into larger buffers: with strides a TMA map takes, the kernel
+    stores them through shared memory by TMA, with rows padded by two elements it stores them from
+    registers. Both write every element of the views (filled with NaN first), the same bits as
+    contiguous outputs, and nothing past the sequence end, the head dim or between the heads."""
+    import torch
+
+    import cuflash2
+    from cuflash2.families.wgmma import backward as wgmma_backward
+
+    monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
+    decided = []
+    real = wgmma_backward.stores_key_gradients_by_tma
+    monkeypatch.setattr(wgmma_backward, "stores_key_gradients_by_tma",
+                        lambda *a: decided.append(real(*a)) or decided[-1])
+    torch.manual_seed(stable_seed("hopper-dkv-store", d))
+    b, sq, sk, h = 2, 300, 260, 4
+    q, dout = (torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, sk, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = cuflash2.flash_attn_forward(q, k, v, causal=True)
+    expected = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    for pad, by_tma in ((8, True), (2, False)):
+        buffers = [torch.full((b, sk + 3, 2, h, d + pad), 7.0, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        dk, dv = (x[:, :sk, 1, :, :d] for x in buffers)
+        for x in (dk, dv):
+            x.fill_(float("nan"))
+        decided.clear()
+        got = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=True, dk=dk, dv=dv)
+        assert decided == [by_tma]
+        assert got[1].data_ptr() == dk.data_ptr() and got[2].data_ptr() == dv.data_ptr()
+        assert torch.equal(dk, expected[1]) and torch.equal(dv, expected[2])
+        for x in buffers:
+            x[:, :sk, 1, :, :d] = 7.0
+            assert bool((x == 7.0).all()), "written outside the view"
+
+
+@hopper_only
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_the_hopper_backward_writes_dq_into_rows_that_are_not_16_byte_aligned(monkeypatch, d):
     """dq= views whose rows are only 4-byte aligned take the conversion's narrow stores: the same
