@@ -7,7 +7,10 @@ torch. Example (the previous kernel saved under kernels_cu/ first):
     python benchmarks/ab_wgmma_bwd.py --baseline wgmma/flash_bwd_sm90_base.cu --seqlen 2048,8192 --causal
 
 A kernel source from before the persistent grid takes five template parameters: add a sixth,
-`bool = false`, to its flash_bwd_sm90 template before timing it (the launch names six).
+`bool = false`, to its flash_bwd_sm90 template before timing it (the launch names six). A source
+from before the TMA stores of dK and dV has a 704-byte BwdParams: add `TensorMap dk_map, dv_map;`
+after do_map and `int dkv_by_tma;` at the end (and the static_assert's 960) before timing it, since
+the host packs the 960-byte struct.
 
 FLOPs follow FA2's convention (2.5x the forward's).
 """

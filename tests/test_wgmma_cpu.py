@@ -388,14 +388,16 @@ def test_the_backward_runs_head_dims_32_to_128_and_leaves_the_rest(monkeypatch):
     assert "dk" in wgmma_bwd.unsupported_reason(90, gqa, False, padded_rows)
 
 
-def _record_backward(monkeypatch, problem, deterministic=False):
+def _record_backward(monkeypatch, problem, deterministic=False, **outputs):
     """Runs the Hopper backward's host side with the launcher, tensor maps and conversions faked:
-    returns the tensors passed and what was asked of those (scratch, launches, maps, conversions)."""
+    returns the tensors passed and what was asked of those (scratch, launches, maps, conversions).
+    `outputs` may replace dk or dv (TensorInfos)."""
     s = problem.shape
     b, sq, sk, h, hk, d = s.batch, s.seqlen_q, s.seqlen_k, s.nheads, s.nheads_kv, s.head_dim
     q, dout, out, dq = (contiguous_info((b, sq, h, d), "bfloat16", 2, "cuda:0", (1 + i) << 24) for i in range(4))
     k, v, dk, dv = (contiguous_info((b, sk, hk, d), "bfloat16", 2, "cuda:0", (5 + i) << 24) for i in range(4))
     lse = contiguous_info((b, h, sq), "float32", 4, "cuda:0", 9 << 24)
+    dk, dv = outputs.get("dk", dk), outputs.get("dv", dv)
     record = dict(scratch=[], launches=[], maps=[], converts=[], tensors=dict(q=q, k=k, v=v, dout=dout, dk=dk, dv=dv))
 
     def fake_scratch(shape, dtype=None, zero=False):
@@ -462,20 +464,30 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
     assert fields[-3:] == (units_per_head, units_per_head * h * b, int(by_tma))
 
 
+@pytest.mark.parametrize("name", ["dk", "dv"])
 @pytest.mark.parametrize("offset, row_stride", [(4, None), (0, 4 * 128 + 2)])
-def test_key_gradients_that_no_map_describes_are_stored_from_registers(monkeypatch, offset, row_stride):
+def test_key_gradients_that_no_map_describes_are_stored_from_registers(monkeypatch, name, offset, row_stride):
     """dK or dV at an address or with strides a TMA map cannot take (a base not 16-byte aligned,
     a row stride that is not a multiple of 8 elements) make the kernel store both from registers
     (the flag off, no dK/dV maps), as it does with GQA."""
     b, s, h, d = 2, 300, 4, 128
-    dk = contiguous_info((b, s, h, d), "bfloat16", 2, "cuda:0", (7 << 24) + offset)
+    odd = contiguous_info((b, s, h, d), "bfloat16", 2, "cuda:0", (12 << 24) + offset)
     if row_stride is not None:
-        dk = dataclasses.replace(dk, strides=(s * row_stride, row_stride, d, 1))
-    dv = contiguous_info((b, s, h, d), "bfloat16", 2, "cuda:0", 8 << 24)
-    assert wgmma_bwd.stores_key_gradients_by_tma(128, False, dv, dv)
-    assert not wgmma_bwd.stores_key_gradients_by_tma(128, False, dk, dv)
-    assert not wgmma_bwd.stores_key_gradients_by_tma(128, True, dv, dv)  # GQA: fp32 sums per query head
-    assert not wgmma_bwd.stores_key_gradients_by_tma(256, False, dv, dv)  # the split tile's own stores
+        odd = dataclasses.replace(odd, strides=(s * row_stride, row_stride, d, 1))
+    fine = contiguous_info((b, s, h, d), "bfloat16", 2, "cuda:0", 13 << 24)
+    assert wgmma_bwd.stores_key_gradients_by_tma(128, False, fine, fine)
+    assert not wgmma_bwd.stores_key_gradients_by_tma(128, False, *((odd, fine) if name == "dk" else (fine, odd)))
+    assert not wgmma_bwd.stores_key_gradients_by_tma(128, True, fine, fine)  # GQA: fp32 sums per query head
+    assert not wgmma_bwd.stores_key_gradients_by_tma(256, False, fine, fine)  # the split tile's own stores
+    monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: 132)
+    problem = AttentionProblem(AttentionShape(b, s, s, h, h, d, "bfloat16", 0.1), True)
+    record = _record_backward(monkeypatch, problem, **{name: odd})
+    fields = wgmma_bwd.PARAMS.unpack(record["launches"][1][2])
+    assert fields[4] == fields[5] == bytes(128) and fields[-1] == 0  # no dK/dV maps, the flag off
+    assert [ptr for ptr, _, _ in record["maps"]] == [record["tensors"][n].data_ptr for n in ("q", "k", "v", "dout")]
+    assert fields[10:12] == (record["tensors"]["dk"].data_ptr, record["tensors"]["dv"].data_ptr)
+    first = 12 if name == "dk" else 15  # the output's batch, row and head strides (elements)
+    assert fields[first:first + 3] == tuple(odd.strides[:3])
 
 
 @pytest.mark.parametrize("d, causal, seqlen, persistent", [

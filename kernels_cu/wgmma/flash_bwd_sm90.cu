@@ -18,7 +18,8 @@
 // per-element red.global adds cost 30% of the kernel's time; one bulk reduction per warp instead of
 // per block was 2-7% slower at head dim 64). flash_bwd_dq_sm90 scales and converts the accumulator
 // afterwards, and for GQA flash_bwd_convert_kernel sums the per-query-head dK and dV written here
-// in fp32.
+// in fp32. At the end of a tile dK and dV leave through shared memory and TMA stores (16-bit outputs
+// without GQA, whose strides fit a map: store_key_gradients_by_tma), else from registers.
 //
 // Deterministic mode (kDeterministic) fixes the order of those reductions: the keeper adds the
 // CTA's block at the CTA's turn on that query block (dq_turn). The order of turns is chosen so that
@@ -165,12 +166,13 @@ static_assert(16 + 24 * kStages + 8 <= 128, "Barriers: 128 bytes");
 // CTA's K/V load and dK/dV stores then run with nothing else on its SM (one CTA per SM fits).
 // With kPersistent, one CTA per SM walks units of work blockIdx.x, + gridDim.x, ...: a unit is key
 // blocks j and n_blocks - 1 - j of one (head, batch), j fastest (the middle block alone when
-// n_blocks is odd). The producer loads a tile's K and V while the consumers store the previous
-// tile's dK and dV. Causal key block j has fewer steps the larger j is (its first query block
-// rises with it), so the two blocks of a unit add up to about as many steps whatever j: every unit
-// costs about the same and the static walk stays balanced without a tile counter. The CTAs running
-// together share a head's Q and dO in L2, and a unit's second tile reads a subset of its first
-// tile's query blocks.
+// n_blocks is odd). The producer loads a tile's K and V once the consumers are done with the
+// previous tile's: while they store its dK and dV from registers, or once the TMA stores of dK and
+// dV (staged over the K and V tiles) have read them. Causal key block j has fewer steps the larger
+// j is (its first query block rises with it), so the two blocks of a unit add up to about as many
+// steps whatever j: every unit costs about the same and the static walk stays balanced without a
+// tile counter. The CTAs running together share a head's Q and dO in L2, and a unit's second tile
+// reads a subset of its first tile's query blocks.
 // for_each_tile runs a role's work over either walk.
 struct SingleTile {
     static constexpr bool kPersistent = false;
@@ -560,7 +562,7 @@ CF_DEVICE void store_key_gradient(const float (&acc)[T::kGroupColumns / 2], floa
 // dK and dV through shared memory and the TMA. A warp's 4-byte stores of column pairs write 8 rows
 // of 16 bytes each, partial sectors the memory pipeline takes slowly; with nothing else running on
 // the SM at the end of a tile, the consumers waited on them as long as two or three steps take (ncu,
-// head dim 128 at 2k: 8% of their stall samples). Once both groups' last dQ products have read K,
+// head dim 128 at 2k: 7% of the kernel's stall samples). Once both groups' last dQ products have read K,
 // each group stages its 64 rows of dK over its rows of the K tile and of dV over its rows of V
 // (64-column panels, swizzled as the loads wrote them), and thread 0 of the group stores them with
 // one TMA store per panel (rows past seqlen_k and columns past the head dim are dropped by the
@@ -668,8 +670,8 @@ CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, 
         const u32 lse_rows = smem + T::kLse + stage * T::kRowBytes;
         float s[kM / 2], dp[kM / 2];
         mbarrier_wait(bars.qdo_full(stage), (step / kStages) & 1);
-        // The LSE values are read before the products are issued: read after them, their latency
-        // (behind the products' shared-memory traffic) held up the exponentials.
+        // With kEarlyLse the LSE values are read before the products are issued: read after them,
+        // their latency (behind the products' shared-memory traffic) held up the exponentials.
         const SharedQueryValues lse_shared{lse_rows, lane};
         const auto lse = [&] {
             if constexpr (kEarlyLse)

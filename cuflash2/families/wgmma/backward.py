@@ -153,7 +153,8 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
     if not problem.plain or problem.features.varlen:
         return "runs plain and causal attention only (no window, softcap, ALiBi, dropout or varlen)"
     # TMA maps (q, k, v, dout), 16-byte loads (out), 8-byte stores (the conversion of dk and dv with
-    # GQA); dq, and without GQA dk and dv, are stored in 4-byte pairs.
+    # GQA); dq, and without GQA dk and dv, are stored in 4-byte pairs (dk and dv by TMA stores
+    # instead where their strides fit a map: stores_key_gradients_by_tma).
     paired = ("dq",) if shape.kv_group > 1 else ("dq", "dk", "dv")
     for name, t in tensors:
         if name == "softmax_lse" or name in paired:  # softmax_lse: contiguous, as check_lse requires
@@ -200,9 +201,10 @@ def _ptr(x):
 #: head dim and mask. Kernel A/B on an H200 (bf16, 3 rounds in turn, against one CTA per tile):
 #: d128 non-causal +4% at 512, +3% at 1k, even at 2k, -1..-7% from 4k; d128 causal -1..-3% at 512-4k
 #: and -6% at 16k; d64 causal +5% at 512, +1.5% at 1k, +1% at 2k (within noise), -7% at 8k; d64
-#: non-causal +1% at 512 and -7% at 2k; d256 -1..-5% at 512-2k. Short calls gain from loading the
+#: non-causal +1% at 512 and -7% at 2k; d256 -1..-5% at 512-2k. Short calls gained from loading the
 #: next tile's K and V during the dK/dV stores; a long call's tiles are many, and the hardware's
-#: dynamic order of one-tile CTAs beats the static walk's last round.
+#: dynamic order of one-tile CTAs beats the static walk's last round. Measured with dK and dV stored
+#: from registers: with the TMA stores the next tile's K and V wait for the stores' reads instead.
 PERSISTENT_MAX_SEQLEN = {(64, True): 1024, (128, False): 1024}
 
 
@@ -213,7 +215,7 @@ MAX_PERSISTENT_UNITS = 1 << 27
 
 def persistent_grid(head_dim: int, causal: bool, deterministic: bool, seqlen: int | None) -> bool:
     """Whether a call runs the persistent grid (one CTA per SM walking units of key blocks, the next
-    tile's K and V loaded while the previous tile's dK and dV are stored; PersistentWalk in
+    tile's K and V loaded as soon as the previous tile's dK and dV no longer need them; PersistentWalk in
     flash_bwd_sm90.cu): short calls (`seqlen`, see PERSISTENT_MAX_SEQLEN; None: long or unknown) at
     the kernel head dims and masks that gain from it, not in deterministic mode (whose turns follow
     the order one-tile CTAs start in)."""
