@@ -2,9 +2,12 @@
 # Where a backward kernel's warps wait: Nsight Compute's per-instruction stall sampling (SASS view).
 # FAMILY=mma_sync (default): the fused kernel and FA2's at seqlen 4k (scripts/profile_bwd.py);
 # FAMILY=wgmma: the Hopper backward's main kernel, one call of FA2's grid at $SEQLEN (default 2048;
-# scripts/profile_hopper_bwd.py). Logs to $OUT:
+# scripts/profile_hopper_bwd.py); FAMILY=wgmma-fwd: the Hopper forward, likewise
+# (scripts/profile_fwd.py). CAUSAL=causal for causal calls. Logs to $OUT:
 #   src-d<dim>.csv  per SASS instruction: executed count and sampled stall reasons
 #   ncu-src-d<dim>.txt  the summary sections
+# and prints scripts/stall_summary.py's digest of each (the instructions with 0.3% of the samples
+# or more).
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -12,6 +15,10 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 if [[ "${FAMILY:-mma_sync}" == wgmma ]]; then
     KERNELS='flash_bwd_sm90'; RUN=(python scripts/profile_hopper_bwd.py DIM "${CAUSAL:-full}" "${SEQLEN:-2048}")
     LIMIT=(-s 1 -c 1)
+elif [[ "${FAMILY}" == wgmma-fwd ]]; then
+    export SEQLEN=${SEQLEN:-2048}
+    KERNELS='flash_fwd_sm90'; RUN=(python scripts/profile_fwd.py DIM "${CAUSAL:-full}")
+    LIMIT=(-c 1)
 else
     KERNELS='flash_bwd_fused|dq_dk_dv'; RUN=(python scripts/profile_bwd.py DIM "${CAUSAL:-full}" fused-only)
     LIMIT=()
@@ -24,4 +31,5 @@ for dim in ${DIMS:-64 128}; do
     ncu -i "$OUT/src-d$dim.ncu-rep" --page details > "$OUT/ncu-src-d$dim.txt" 2>&1
     ncu -i "$OUT/src-d$dim.ncu-rep" --page source --csv --print-source sass > "$OUT/src-d$dim.csv" 2>&1
     echo "  source page: $(wc -l < "$OUT/src-d$dim.csv") lines"
+    python scripts/stall_summary.py "$OUT/src-d$dim.csv" | head -${SUMMARY_LINES:-80}
 done
