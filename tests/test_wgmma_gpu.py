@@ -433,7 +433,7 @@ def test_the_key_gradient_stores_write_every_element_and_nothing_else(monkeypatc
             x.fill_(float("nan"))
         decided.clear()
         got = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=True, dk=dk, dv=dv)
-        assert decided == [by_tma]
+        assert decided and set(decided) == {by_tma}  # the call itself, and its recording for replays
         assert got[1].data_ptr() == dk.data_ptr() and got[2].data_ptr() == dv.data_ptr()
         assert torch.equal(dk, expected[1]) and torch.equal(dv, expected[2])
         for x in buffers:
