@@ -32,6 +32,12 @@ def strides_fit(data_ptr: int, strides_bytes, sizes) -> bool:
                                       for s, n in zip(strides_bytes, sizes))
 
 
+def describes(t) -> bool:
+    """Whether a map can describe the array of TensorInfo `t` as it lies: contiguous last dim, and
+    the base and other strides strides_fit takes."""
+    return t.strides[-1] == 1 and strides_fit(t.data_ptr, [s * t.itemsize for s in t.strides[:-1]], t.shape[:-1])
+
+
 @functools.cache
 def _encode_function():
     lib = ctypes.CDLL("libcuda.so.1")

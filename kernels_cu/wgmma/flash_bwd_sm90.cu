@@ -431,6 +431,14 @@ struct LoadedQueryValues {
     }
     CF_DEVICE float2 operator[](int j) const { return values[j]; }
 };
+// `shared`'s values read now into registers (kNow), or where they are used.
+template <int kBlockM, bool kNow>
+CF_DEVICE auto query_values(const SharedQueryValues& shared) {
+    if constexpr (kNow)
+        return LoadedQueryValues<kBlockM>(shared);
+    else
+        return shared;
+}
 
 template <class T, bool kCausal, bool kMasked, class Values>
 CF_DEVICE void probabilities(float (&s)[T::kBlockM / 2], const int (&key)[2], int query0, int lane,
@@ -672,13 +680,7 @@ CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, 
         mbarrier_wait(bars.qdo_full(stage), (step / kStages) & 1);
         // With kEarlyLse the LSE values are read before the products are issued: read after them,
         // their latency (behind the products' shared-memory traffic) held up the exponentials.
-        const SharedQueryValues lse_shared{lse_rows, lane};
-        const auto lse = [&] {
-            if constexpr (kEarlyLse)
-                return LoadedQueryValues<kM>(lse_shared);
-            else
-                return lse_shared;
-        }();
+        const auto lse = query_values<kM, kEarlyLse>(SharedQueryValues{lse_rows, lane});
         wgmma_fence();
         issue_transposed_scores<T, kBf16>(s, k_rows, q_tile);
         wgmma_commit();
@@ -807,13 +809,8 @@ CF_DEVICE void consume_split_tile(const BwdParams& p, u32 smem, const Barriers& 
         u32 pa[kM / 16][4];
         mbarrier_wait(bars.qdo_full(stage), (step / kStages) & 1);
         // Group 0 reads the LSE values before its product is issued (as consume_tile does).
-        const SharedQueryValues lse_shared{smem + T::kLse + stage * T::kRowBytes, lane};
-        const auto lse = [&] {
-            if constexpr (group == 0)
-                return LoadedQueryValues<kM>(lse_shared);
-            else
-                return lse_shared;
-        }();
+        const u32 lse_rows = smem + T::kLse + stage * T::kRowBytes;
+        const auto lse = query_values<kM, group == 0>(SharedQueryValues{lse_rows, lane});
         wgmma_fence();
         issue_transposed_scores<T, kBf16>(x, smem + (group == 0 ? T::kK : T::kV), group == 0 ? q_tile : do_tile);
         wgmma_commit();

@@ -44,7 +44,7 @@ THREADS = 384
 PARAMS = struct.Struct("<128s128s128s128s128s128sQQQQQQqqqqqqiiiiiiffiiii48x")
 #: Rows of dK and dV per TMA store box (one consumer group's keys).
 KEY_GRADIENT_BOX_ROWS = 64
-_NO_MAP = bytes(128)
+_NO_MAP = bytes(tensor_maps.MAP_BYTES)
 
 
 def runs_head_dim(head_dim: int) -> bool:
@@ -159,8 +159,7 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
     for name, t in tensors:
         if name == "softmax_lse" or name in paired:  # softmax_lse: contiguous, as check_lse requires
             continue
-        if t.strides[-1] != 1 or not tensor_maps.strides_fit(t.data_ptr, [s * t.itemsize for s in t.strides[:-1]],
-                                                             t.shape[:-1]):
+        if not tensor_maps.describes(t):
             return (f"needs {name} with a 16-byte aligned base and strides that are multiples of 8 elements, "
                     f"got strides {tuple(t.strides)} at 0x{t.data_ptr:x}")
     for name, t in tensors:
@@ -181,8 +180,7 @@ def stores_key_gradients_by_tma(kernel_head_dim: int, gqa: bool, dk, dv) -> bool
     both tensors fit a map; otherwise the kernel stores them from registers."""
     if gqa or kernel_head_dim in SPLIT_HEAD_DIMS:
         return False
-    return all(t.strides[-1] == 1 and tensor_maps.strides_fit(t.data_ptr, [s * t.itemsize for s in t.strides[:-1]],
-                                                             t.shape[:-1]) for t in (dk, dv))
+    return tensor_maps.describes(dk) and tensor_maps.describes(dv)
 
 
 def _i64(x):

@@ -165,8 +165,7 @@ def unsupported_reason(arch: int, problem: AttentionProblem, tensors=()) -> str:
     if not problem.plain or problem.features.varlen:
         return "runs plain and causal attention only (no window, softcap, ALiBi, dropout, varlen or KV cache)"
     for name, t in tensors:
-        if t.strides[-1] != 1 or not tensor_maps.strides_fit(t.data_ptr, [s * t.itemsize for s in t.strides[:-1]],
-                                                             t.shape[:-1]):
+        if not tensor_maps.describes(t):
             return (f"needs {name} with a 16-byte aligned base and strides that are multiples of 8 elements, "
                     f"got strides {tuple(t.strides)} at 0x{t.data_ptr:x}")
     return ""
