@@ -445,23 +445,24 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
     assert scratch[2] == ((b, h, m_blocks, block_m * kd), "float32", True)  # the dQ accumulator, zeroed
     assert len(scratch) == (5 if gqa else 3)  # + dK, dV per query head with GQA; no turn counters
     assert len(record["converts"]) == (2 if gqa else 0)
-    # dK and dV go out by TMA store (one box per group's 64 keys) unless GQA sums them per query
-    # head first or the split tile (kernel head dim 256) stores them.
-    by_tma = not gqa and kd != 256
-    # Q and dO in boxes of the query block, K and V of the CTA's keys; dims innermost first.
-    assert maps == [(t["q"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1)),
-                    (t["k"].data_ptr, (d, sk, hk, b), (64, block_n, 1, 1)),
-                    (t["v"].data_ptr, (d, sk, hk, b), (64, block_n, 1, 1)),
-                    (t["dout"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1))] + [
-                    (t[name].data_ptr, (d, sk, hk, b), (64, 64, 1, 1)) for name in ("dk", "dv") if by_tma]
+    # Q and dO in boxes of the query block, K and V of the CTA's keys; dims innermost first. Then the
+    # maps of what the kernel stores by TMA in boxes of 64 keys: dk and dv, or with GQA its fp32 sums
+    # per query head (32 columns a box).
+    assert maps[:4] == [(t["q"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1)),
+                        (t["k"].data_ptr, (d, sk, hk, b), (64, block_n, 1, 1)),
+                        (t["v"].data_ptr, (d, sk, hk, b), (64, block_n, 1, 1)),
+                        (t["dout"].data_ptr, (d, sq, h, b), (64, block_m, 1, 1))]
     # ..., turns pointer, dk, dv, 6 i64, 6 ints, 2 floats, head dim, the persistent walk's units, the
     # dK/dV store flag
     fields = wgmma_bwd.PARAMS.unpack(packed)
+    box = (32, 64, 1, 1) if gqa else (64, 64, 1, 1)
+    assert maps[4:] == [(fields[10], (d, sk, h, b), box), (fields[11], (d, sk, h, b), box)]
+    assert gqa or fields[10:12] == (t["dk"].data_ptr, t["dv"].data_ptr)
     assert fields[-21] == 0  # no turn counters
     assert fields[-12:-6] == (sq, sk, h, h // hk, m_blocks, 0)
     assert fields[-5] == pytest.approx(0.1) and fields[-6] == pytest.approx(0.1 * 1.4426950408889634)
     assert fields[-4] == d  # the call's head dim: the kernel stores its columns, loads the rest as zeros
-    assert fields[-3:] == (units_per_head, units_per_head * h * b, int(by_tma))
+    assert fields[-3:] == (units_per_head, units_per_head * h * b, 1)
 
 
 @pytest.mark.parametrize("name", ["dk", "dv"])
@@ -469,16 +470,14 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
 def test_key_gradients_that_no_map_describes_are_stored_from_registers(monkeypatch, name, offset, row_stride):
     """dK or dV at an address or with strides a TMA map cannot take (a base not 16-byte aligned,
     a row stride that is not a multiple of 8 elements) make the kernel store both from registers
-    (the flag off, no dK/dV maps), as it does with GQA."""
+    (the flag off, no dK/dV maps)."""
     b, s, h, d = 2, 300, 4, 128
     odd = contiguous_info((b, s, h, d), "bfloat16", 2, "cuda:0", (12 << 24) + offset)
     if row_stride is not None:
         odd = dataclasses.replace(odd, strides=(s * row_stride, row_stride, d, 1))
     fine = contiguous_info((b, s, h, d), "bfloat16", 2, "cuda:0", 13 << 24)
-    assert wgmma_bwd.stores_key_gradients_by_tma(128, False, fine, fine)
-    assert not wgmma_bwd.stores_key_gradients_by_tma(128, False, *((odd, fine) if name == "dk" else (fine, odd)))
-    assert not wgmma_bwd.stores_key_gradients_by_tma(128, True, fine, fine)  # GQA: fp32 sums per query head
-    assert not wgmma_bwd.stores_key_gradients_by_tma(256, False, fine, fine)  # the split tile's own stores
+    assert wgmma_bwd.stores_key_gradients_by_tma(fine, fine)
+    assert not wgmma_bwd.stores_key_gradients_by_tma(*((odd, fine) if name == "dk" else (fine, odd)))
     monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: 132)
     problem = AttentionProblem(AttentionShape(b, s, s, h, h, d, "bfloat16", 0.1), True)
     record = _record_backward(monkeypatch, problem, **{name: odd})

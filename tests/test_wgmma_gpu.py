@@ -404,7 +404,7 @@ def test_the_persistent_hopper_backward_walks_many_tiles_per_cta(monkeypatch, d,
 
 
 @hopper_only
-@pytest.mark.parametrize("d", [40, 64, 128])
+@pytest.mark.parametrize("d", [40, 64, 128, 192, 200, 256])
 def test_the_key_gradient_stores_write_every_element_and_nothing_else(monkeypatch, d):
     """dk= and dv= as strided views into larger buffers: with strides a TMA map takes, the kernel
     stores them through shared memory by TMA, with rows padded by two elements it stores them from
@@ -439,6 +439,37 @@ def test_the_key_gradient_stores_write_every_element_and_nothing_else(monkeypatc
         for x in buffers:
             x[:, :sk, 1, :, :d] = 7.0
             assert bool((x == 7.0).all()), "written outside the view"
+
+
+@hopper_only
+@pytest.mark.parametrize("d", [32, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_key_gradient_sums_are_the_same_bits_by_tma_or_registers(monkeypatch, d, causal):
+    """With GQA the kernel writes dK and dV summed per query head in fp32 (converted after): stored by
+    TMA (the default) or from registers (the fallback, forced here), the gradients are the same bits."""
+    import torch
+
+    import cuflash2
+    from cuflash2.families.wgmma import backward as wgmma_backward
+
+    monkeypatch.delenv(FAMILY_VARIABLE, raising=False)
+    torch.manual_seed(stable_seed("hopper-gqa-dkv-store", d, causal))
+    b, sq, sk, h, hk = 2, 190, 300, 8, 2
+    q, dout = (torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = cuflash2.flash_attn_forward(q, k, v, causal=causal)
+    decided = []
+    real = wgmma_backward.stores_key_gradients_by_tma
+    monkeypatch.setattr(wgmma_backward, "stores_key_gradients_by_tma",
+                        lambda *a: decided.append(real(*a)) or decided[-1])
+    by_tma = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+    assert decided and set(decided) == {True}  # the call itself, and its recording for replays
+    decided.clear()
+    monkeypatch.setattr(wgmma_backward, "stores_key_gradients_by_tma", lambda *a: decided.append(False) or False)
+    dk, dv = (torch.empty_like(k) for _ in range(2))  # a new signature: run and recorded again
+    from_registers = cuflash2.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, dk=dk, dv=dv)
+    assert decided
+    assert torch.equal(by_tma[1], from_registers[1]) and torch.equal(by_tma[2], from_registers[2])
 
 
 @hopper_only

@@ -18,8 +18,8 @@
 // per-element red.global adds cost 30% of the kernel's time; one bulk reduction per warp instead of
 // per block was 2-7% slower at head dim 64). flash_bwd_dq_sm90 scales and converts the accumulator
 // afterwards, and for GQA flash_bwd_convert_kernel sums the per-query-head dK and dV written here
-// in fp32. At the end of a tile dK and dV leave through shared memory and TMA stores (16-bit outputs
-// without GQA, whose strides fit a map: store_key_gradients_by_tma), else from registers.
+// in fp32. At the end of a tile dK and dV leave through shared memory and TMA stores where their
+// strides fit a map (store_key_gradients_by_tma), else from registers.
 //
 // Deterministic mode (kDeterministic) fixes the order of those reductions: the keeper adds the
 // CTA's block at the CTA's turn on that query block (dq_turn). The order of turns is chosen so that
@@ -59,8 +59,9 @@
 
 struct BwdParams {
     TensorMap q_map, k_map, v_map, do_map;  // (head_dim, seqlen, heads, batch); Q/dO boxes {64, kBlockM}, K/V {64, kBlockN}
-    TensorMap dk_map, dv_map;               // (head_dim, seqlen_k, heads, batch), boxes {64, 64}: with
-                                            //   dkv_by_tma, where the TMA stores dK and dV (not with GQA)
+    TensorMap dk_map, dv_map;               // (head_dim, seqlen_k, heads, batch), boxes {64, 64} (16-bit)
+                                            //   or {32, 64} (fp32 with GQA): with dkv_by_tma, where the
+                                            //   TMA stores dK and dV
     const float* lse_log2;                  // (batch, heads, m_blocks * kBlockM): LSE * log2(e), +inf past seqlen_q
     const float* delta;                     // (batch, heads, m_blocks * kBlockM): rowsum(dO * O), 0 past seqlen_q
     float* dq_acc;                          // (batch, heads, m_blocks, DqFragments) fp32, zero at launch
@@ -80,7 +81,7 @@ struct BwdParams {
     int units_per_head, units;              // the persistent walk (PersistentWalk): units of key blocks per
                                             //   (head, batch), and in all
     int dkv_by_tma;                         // dK and dV stored through dk_map and dv_map (strides the TMA
-                                            //   takes, 16-bit, no GQA); else from registers
+                                            //   takes); else from registers
 };
 static_assert(sizeof(BwdParams) == 960, "BwdParams: host layout (6 maps, 6 pointers, 6 i64, 6 int, 2 float, 4 int)");
 
@@ -567,38 +568,107 @@ CF_DEVICE void store_key_gradient(const float (&acc)[T::kGroupColumns / 2], floa
     }
 }
 
+// Where a consumer group stages its dK and dV at the end of a tile: its part of the K and V tiles,
+// kPanels 8 KB pieces of each (64 rows x 128 bytes; kPanelBytes apart), swizzled as the loads wrote
+// them. Its 64 rows of every panel, or in the split tile (64 keys) its own 128 columns' panels;
+// col0 and key0 place its part of dK and dV.
+template <class T>
+struct KeyGradientArea {
+    static constexpr int kPanels = T::kGroupColumns / 64;
+    static constexpr u32 kPanelBytes = T::kBlockN * 128;
+    u32 k_area, v_area;
+    int col0, key0;
+    CF_DEVICE KeyGradientArea(u32 smem, int group, int n_block) {
+        const u32 offset = T::kSplitColumns ? T::column_panel(group) * kPanelBytes : group * 64 * 128;
+        k_area = smem + T::kK + offset;
+        v_area = smem + T::kV + offset;
+        col0 = T::kSplitColumns ? T::column_panel(group) * 64 : 0;
+        key0 = n_block * T::kBlockN + (T::kSplitColumns ? 0 : group * 64);
+    }
+    // Piece i of 2 kPanels: the K tile's, then the V tile's.
+    CF_DEVICE u32 piece(int i) const {
+        return i < kPanels ? k_area + i * kPanelBytes : v_area + (i - kPanels) * kPanelBytes;
+    }
+};
+
+// The group's 64 rows of an fp32 accumulator (dK or dV with GQA), times `scale`, into all 2 kPanels
+// pieces of its area as 32-column panels (128-byte rows, swizzled as a TMA store of SWIZZLE_128B
+// boxes reads them). A warp's float2 stores hit every 16-byte bank group twice: two wavefronts.
+template <class T>
+CF_DEVICE void stage_accumulator_f32(const float (&acc)[T::kGroupColumns / 2], float scale,
+                                     const KeyGradientArea<T>& area, int warp, int lane) {
+#pragma unroll
+    for (int j = 0; j < T::kGroupColumns / 8; ++j) {
+        // Columns 8j + 2 (lane%4) + {0, 1}: panel j / 4, its 16-byte chunk 2 (j%4) + (lane%4) / 2.
+        const u32 base = area.piece(j / 4);
+        const int chunk = 2 * (j % 4) + (lane % 4) / 2;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = 16 * warp + lane / 4 + 8 * r;
+            st_shared_f32x2(base + swizzled_chunk(row, chunk) + 8 * (lane % 2), acc[4 * j + 2 * r] * scale,
+                            acc[4 * j + 2 * r + 1] * scale);
+        }
+    }
+}
+
 // dK and dV through shared memory and the TMA. A warp's 4-byte stores of column pairs write 8 rows
 // of 16 bytes each, partial sectors the memory pipeline takes slowly; with nothing else running on
 // the SM at the end of a tile, the consumers waited on them as long as two or three steps take (ncu,
-// head dim 128 at 2k: 7% of the kernel's stall samples). Once both groups' last dQ products have read K,
-// each group stages its 64 rows of dK over its rows of the K tile and of dV over its rows of V
-// (64-column panels, swizzled as the loads wrote them), and thread 0 of the group stores them with
-// one TMA store per panel (rows past seqlen_k and columns past the head dim are dropped by the
-// copy). The K/V tiles go back to the producer once the stores have read them.
-template <class T, bool kBf16>
-CF_DEVICE void store_key_gradients_by_tma(const float (&dk)[T::kHeadDim / 2], const float (&dv)[T::kHeadDim / 2],
-                                          const BwdParams& p, u32 smem, const Barriers& bars, int group,
-                                          int n_block, int head, int batch) {
-    constexpr u32 kPanelBytes = T::kBlockN * 128;
+// head dim 128 at 2k: 7% of the kernel's stall samples). Each group stages its part of dK over its
+// area of the K tile and of dV over its area of V (KeyGradientArea), and thread 0 of the group
+// stores them with one TMA store per panel (rows past seqlen_k and columns past the head dim are
+// dropped by the copy; panels wholly past the head dim are not stored). With 128-key tiles both
+// groups first wait until their last dQ products have read K (each reads all 128 rows). The split
+// tile needs no such wait: each group's dQ reads only its own columns of K, and the products that
+// read the other group's columns, group 0's S^T (all of K) and group 1's dP^T (all of V), completed
+// before the last step's P^T hand-over barrier.
+// With GQA the sums per query head are fp32, twice the bytes: dK goes first over the whole area
+// (32-column panels), then dV once dK's stores have read it. The K/V tiles go back to the producer
+// once the stores have read them.
+template <class T, bool kBf16, bool kGqa>
+CF_DEVICE void store_key_gradients_by_tma(const float (&dk)[T::kGroupColumns / 2],
+                                          const float (&dv)[T::kGroupColumns / 2], const BwdParams& p, u32 smem,
+                                          const Barriers& bars, int group, int n_block, int head, int batch) {
+    using Area = KeyGradientArea<T>;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-    const u32 k_rows = smem + T::kK + group * 64 * 128, v_rows = smem + T::kV + group * 64 * 128;
-    named_barrier_sync<kKeyGradientBarrier, 256>();
-    const float dk_scale[2] = {p.softmax_scale, p.softmax_scale}, dv_scale[2] = {1.f, 1.f};
-    stage_accumulator<kBf16>(dk, dk_scale, k_rows, kPanelBytes, warp, lane);
-    stage_accumulator<kBf16>(dv, dv_scale, v_rows, kPanelBytes, warp, lane);
-    fence_proxy_async_smem();  // the stmatrix writes, before the TMA (async proxy) reads them
-    group_barrier(group);
-    if (tid == 0) {
-        const int key0 = n_block * T::kBlockN + group * 64;
+    const Area area(smem, group, n_block);
+    if constexpr (!T::kSplitColumns) named_barrier_sync<kKeyGradientBarrier, 256>();
+    if constexpr (kGqa) {
+        const auto store = [&](const float (&acc)[T::kGroupColumns / 2], float scale, const TensorMap* map) {
+            stage_accumulator_f32<T>(acc, scale, area, warp, lane);
+            fence_proxy_async_smem();  // the shared-memory writes, before the TMA (async proxy) reads them
+            group_barrier(group);
+            if (tid == 0) {
 #pragma unroll
-        for (int panel = 0; panel < T::kPanels; ++panel) {
-            tma_store_4d(&p.dk_map, k_rows + panel * kPanelBytes, panel * 64, key0, head, batch);
-            tma_store_4d(&p.dv_map, v_rows + panel * kPanelBytes, panel * 64, key0, head, batch);
+                for (int i = 0; i < 2 * Area::kPanels; ++i)
+                    if (area.col0 + 32 * i < p.head_dim)
+                        tma_store_4d(map, area.piece(i), area.col0 + 32 * i, area.key0, head, batch);
+                bulk_commit();
+                bulk_wait_read<0>();
+            }
+            group_barrier(group);  // the stores have read the area: it may be written again
+        };
+        store(dk, p.softmax_scale, &p.dk_map);
+        store(dv, 1.f, &p.dv_map);
+    } else {
+        const float dk_scale[2] = {p.softmax_scale, p.softmax_scale}, dv_scale[2] = {1.f, 1.f};
+        stage_accumulator<kBf16>(dk, dk_scale, area.k_area, Area::kPanelBytes, warp, lane);
+        stage_accumulator<kBf16>(dv, dv_scale, area.v_area, Area::kPanelBytes, warp, lane);
+        fence_proxy_async_smem();  // the stmatrix writes, before the TMA (async proxy) reads them
+        group_barrier(group);
+        if (tid == 0) {
+#pragma unroll
+            for (int i = 0; i < Area::kPanels; ++i) {
+                const int col = area.col0 + 64 * i;
+                if (col >= p.head_dim) continue;
+                tma_store_4d(&p.dk_map, area.piece(i), col, area.key0, head, batch);
+                tma_store_4d(&p.dv_map, area.piece(Area::kPanels + i), col, area.key0, head, batch);
+            }
+            bulk_commit();
+            bulk_wait_read<0>();
         }
-        bulk_commit();
-        bulk_wait_read<0>();
+        group_barrier(group);  // every thread arrives after the stores have read its area (racecheck)
     }
-    group_barrier(group);  // every thread arrives after the stores have read its rows (racecheck)
     mbarrier_arrive(bars.kv_empty());
 }
 
@@ -744,8 +814,8 @@ CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, 
         if (!kLatePublish) publish_query_gradient(lane, bars);
     }
     if (kLatePublish && p.m_blocks > first) publish_query_gradient(lane, bars);  // the tile's last step's dQ
-    if (!kGqa && p.dkv_by_tma) {
-        store_key_gradients_by_tma<T, kBf16>(dk, dv, p, smem, bars, group, n_block, head, batch);
+    if (p.dkv_by_tma) {
+        store_key_gradients_by_tma<T, kBf16, kGqa>(dk, dv, p, smem, bars, group, n_block, head, batch);
         return;
     }
     // K and V are read (the last dQ product has completed): the next tile's may load while dK and
@@ -875,6 +945,10 @@ CF_DEVICE void consume_split_tile(const BwdParams& p, u32 smem, const Barriers& 
         // Over the stage's columns this group's dK and dV read (the other group's S^T or dP^T, which
         // read all of them, completed before the barriers above).
         stage_query_gradient_in_stage<T>(dq, smem, stage, group, warp, lane, bars);
+    }
+    if (p.dkv_by_tma) {
+        store_key_gradients_by_tma<T, kBf16, kGqa>(dk, dv, p, smem, bars, group, n_block, head, batch);
+        return;
     }
     mbarrier_arrive(bars.kv_empty());  // K and V are read: the next tile's may load (see consume_tile)
     const int col0 = T::column_panel(group) * 64;

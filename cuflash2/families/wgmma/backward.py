@@ -42,7 +42,7 @@ THREADS = 384
 # BwdParams (flash_bwd_sm90.cu): 6 maps, 6 pointers, 6 i64 strides, 6 ints, 2 floats, the head dim,
 # the persistent walk's units per (head, batch) and in all, the dK/dV store flag, padding to 960.
 PARAMS = struct.Struct("<128s128s128s128s128s128sQQQQQQqqqqqqiiiiiiffiiii48x")
-#: Rows of dK and dV per TMA store box (one consumer group's keys).
+#: Rows of dK and dV per TMA store box (one consumer group's keys); a box's columns are 128 bytes.
 KEY_GRADIENT_BOX_ROWS = 64
 _NO_MAP = bytes(tensor_maps.MAP_BYTES)
 
@@ -169,17 +169,18 @@ def unsupported_reason(arch: int, problem: AttentionProblem, deterministic: bool
 
 
 def _map(t, address: int, rows: int, batch: int, seqlen: int, heads: int) -> bytes:
+    """A (head_dim, seqlen, heads, batch) map of `t` in boxes of 128-byte rows (64 16-bit or 32 fp32
+    columns) by `rows`."""
+    size = t.itemsize
     return tensor_maps.encode_tiled(t.dtype, address, (t.shape[-1], seqlen, heads, batch),
-                                    (t.strides[1] * 2, t.strides[2] * 2, t.strides[0] * 2), (64, rows, 1, 1))
+                                    (t.strides[1] * size, t.strides[2] * size, t.strides[0] * size),
+                                    (128 // size, rows, 1, 1))
 
 
-def stores_key_gradients_by_tma(kernel_head_dim: int, gqa: bool, dk, dv) -> bool:
+def stores_key_gradients_by_tma(dk, dv) -> bool:
     """Whether the kernel stores dK and dV through shared memory and the TMA (store_key_gradients_by_tma
-    in flash_bwd_sm90.cu): 16-bit outputs written directly (no GQA, whose per-head fp32 sums are
-    converted after), by the tiles whose groups each hold 64 whole rows (not the split tile), when
-    both tensors fit a map; otherwise the kernel stores them from registers."""
-    if gqa or kernel_head_dim in SPLIT_HEAD_DIMS:
-        return False
+    in flash_bwd_sm90.cu): when both tensors it writes (the outputs, or with GQA the fp32 sums per
+    query head) fit a map; otherwise it stores them from registers."""
     return tensor_maps.describes(dk) and tensor_maps.describes(dv)
 
 
@@ -267,7 +268,7 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     # Deterministic non-causal calls walk cyclically when a head's CTAs (one per SM) all fit at once.
     cyclic = config.deterministic and not config.causal and n_blocks <= sm_count(device_id)
     units_per_head = -(-n_blocks // 2)  # the persistent walk's: key blocks j and n_blocks - 1 - j
-    dkv_by_tma = stores_key_gradients_by_tma(kd, gqa, dk, dv)
+    dkv_by_tma = stores_key_gradients_by_tma(dk_t, dv_t)
     units = units_per_head * h * b
     if config.persistent and units >= MAX_PERSISTENT_UNITS:
         config = dataclasses.replace(config, persistent=False)
@@ -276,8 +277,8 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
         q_at, k_at, v_at, do_at, lse_at, delta_at, dq_at, turns_at, dk_at, dv_at = addresses
         loads = (_map(q, q_at, block_m, b, sq, h), _map(k, k_at, block_n, b, sk, hk),
                  _map(v, v_at, block_n, b, sk, hk), _map(dout, do_at, block_m, b, sq, h))
-        stores = (tuple(_map(t, at, KEY_GRADIENT_BOX_ROWS, b, sk, hk) for t, at in ((dk, dk_at), (dv, dv_at)))
-                  if dkv_by_tma else (_NO_MAP, _NO_MAP))
+        stores = (tuple(_map(t, at, KEY_GRADIENT_BOX_ROWS, b, sk, t.shape[2])  # with GQA: per query head
+                        for t, at in ((dk_t, dk_at), (dv_t, dv_at))) if dkv_by_tma else (_NO_MAP, _NO_MAP))
         return (*loads, *stores, lse_at, delta_at, dq_at, turns_at or 0, dk_at, dv_at,
                 dk_t.strides[0], dk_t.strides[1], dk_t.strides[2], dv_t.strides[0], dv_t.strides[1], dv_t.strides[2],
                 sq, sk, h, shape.kv_group, m_blocks, int(cyclic), scale * math.log2(math.e), scale, d,
