@@ -14,6 +14,7 @@
 //
 // Key blocks are visited from the last to the first, so the blocks that need masking (the sequence
 // tail, the causal diagonal) come first and the rest run without mask arithmetic.
+#include "common/quad_rows.cuh"
 #include "wgmma/wgmma_ops.cuh"
 
 // Launch parameters, passed by value (one __grid_constant__ struct). The host packs the same fields in
@@ -439,23 +440,31 @@ CF_DEVICE void finish_rows(const RowStats& stats, const int (&row)[2], int lane,
     }
 }
 
-// O normalised and stored from registers (pairs of columns, 4-byte stores): when the output is not
-// staged, and for tiles that see no key at all (causal, more queries than keys: O = 0, LSE = +inf).
+// O normalised and stored from registers: when the output is not staged, and for tiles that see no
+// key at all (causal, more queries than keys: O = 0, LSE = +inf). Each run of four 8-column groups
+// is transposed over the quad (common/quad_rows.cuh) and leaves in 16-byte stores, whole groups up
+// to the head dim (a multiple of 8; the host runs this kernel only on an `out` with a 16-byte
+// aligned base and strides, forward.unsupported_reason). Every lane takes part in the exchanges:
+// rows past seqlen_q only skip the stores.
 template <int kRegs, bool kBf16>
 CF_DEVICE void store_rows(const float (&o)[kRegs], const RowStats& stats, const int (&row)[2], int lane,
                           const Tile& tile, const FwdParams& p) {
+    static_assert(kRegs % 16 == 0, "store_rows: runs of four 8-column groups");
     float inv[2];
     finish_rows(stats, row, lane, tile, p, inv);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        if (row[r] >= p.seqlen_q) continue;
+        const bool row_ok = row[r] < p.seqlen_q;
         u16* out = p.o + tile.batch * p.o_batch_stride + tile.head * p.o_head_stride + row[r] * p.o_row_stride;
 #pragma unroll
-        for (int j = 0; j < kRegs / 4; ++j) {
-            const int col = 8 * j + 2 * (lane % 4);
-            if (col < p.head_dim)
-                *reinterpret_cast<u32*>(out + col) =
-                    Element16<kBf16>::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+        for (int g = 0; g < kRegs / 4; g += 4) {
+            u32 v[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                v[i] = Element16<kBf16>::pack(o[4 * (g + i) + 2 * r] * inv[r], o[4 * (g + i) + 2 * r + 1] * inv[r]);
+            quad_transpose(v, lane);
+            const int col = 8 * (g + lane % 4);
+            if (row_ok && col < p.head_dim) st_global_v4(out + col, v[0], v[1], v[2], v[3]);
         }
     }
 }
