@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import struct
 
 import numpy as np
@@ -44,6 +45,10 @@ THREADS = 384
 PARAMS = struct.Struct("<128s128s128s128s128s128sQQQQQQqqqqqqiiiiiiffiiii48x")
 #: Rows of dK and dV per TMA store box (one consumer group's keys); a box's columns are 128 bytes.
 KEY_GRADIENT_BOX_ROWS = 64
+#: CUFLASH2_ZERO_TMA_SCRATCH=1 zero-fills the scratch that the kernel writes by TMA stores (GQA's fp32
+#: dK/dV sums per query head) before the launch. For compute-sanitizer's initcheck, which does not count
+#: TMA stores as writes and would report the conversion's reads of them; nothing else needs it.
+ZERO_TMA_SCRATCH_VARIABLE = "CUFLASH2_ZERO_TMA_SCRATCH"
 _NO_MAP = bytes(tensor_maps.MAP_BYTES)
 
 
@@ -259,7 +264,8 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     else:
         turns, turns_i = None, None
     if gqa:  # per query head, summed over each group by the conversion
-        (dk_acc, dk_t), (dv_acc, dv_t) = (launcher.scratch((b, sk, h, d)) for _ in range(2))
+        zero = os.environ.get(ZERO_TMA_SCRATCH_VARIABLE, "") not in ("", "0")
+        (dk_acc, dk_t), (dv_acc, dv_t) = (launcher.scratch((b, sk, h, d), zero=zero) for _ in range(2))
     else:
         dk_acc = dv_acc = None
         dk_t, dv_t = dk, dv
@@ -296,5 +302,5 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     del lse_log2, delta, dq_acc, turns, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
 
 
-__all__ = ["HANG_CHECK_VARIABLE", "HEAD_DIM_RANGES", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
+__all__ = ["HANG_CHECK_VARIABLE", "ZERO_TMA_SCRATCH_VARIABLE", "HEAD_DIM_RANGES", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
            "backward", "kernel_head_dim", "runs_head_dim", "unsupported_reason"]
