@@ -434,8 +434,8 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
 
     (rows, rows_grid), (main, main_grid, packed), (dq_pass, dq_grid) = record["launches"]
     assert (rows.kernel, rows_grid) == ("rows", (-(-m_blocks * block_m // 32), h, b))
-    # A short causal call: the persistent grid at kernel head dim 64, a CTA per tile at 128 and 256.
-    persistent = kd == 64
+    # A causal call of 300 rows, too short for the persistent grid (PERSISTENT_SEQLENS): a CTA per tile.
+    persistent = False
     assert (main.head_dim, main.causal, main.gqa, main.deterministic, main.persistent) == (kd, True, gqa, False,
                                                                                            persistent)
     units_per_head = -(-n_blocks // 2)  # key blocks j and n_blocks - 1 - j
@@ -490,13 +490,14 @@ def test_key_gradients_that_no_map_describes_are_stored_from_registers(monkeypat
 
 
 @pytest.mark.parametrize("d, causal, seqlen, persistent", [
-    (128, False, 1024, True), (128, False, 1025, False), (128, True, 700, False), (128, False, 4096, False),
-    (64, True, 1024, True), (64, True, 1025, False), (64, False, 512, False), (256, True, 512, False),
-    (192, False, 512, False), (96, False, 1000, True)])
+    (128, False, 512, True), (128, False, 2048, True), (128, False, 2049, False), (128, False, 4096, False),
+    (128, True, 512, False), (128, True, 513, True), (128, True, 2048, True), (128, True, 2049, False),
+    (64, True, 1024, False), (64, False, 512, False), (256, True, 512, False), (192, False, 512, False),
+    (96, False, 1000, True), (96, True, 300, False)])
 def test_short_backward_calls_run_a_persistent_grid(monkeypatch, d, causal, seqlen, persistent):
-    """Calls up to PERSISTENT_MAX_SEQLEN (the longer length) at kernel head dim 128 non-causal and 64
-    causal launch one CTA per SM, at most one per unit of two key blocks; longer calls, head dim 256
-    and the other masks one CTA per (key block, head, batch) tile."""
+    """Calls in PERSISTENT_SEQLENS (the longer length) at kernel head dim 128 launch one CTA per SM,
+    at most one per unit of two key blocks; longer calls (and short causal ones), head dims 64 and
+    256 one CTA per (key block, head, batch) tile."""
     monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: 132)
     b, h = 3, 4
     for sq, sk in ((seqlen, seqlen // 2), (seqlen // 3, seqlen)):
@@ -529,7 +530,7 @@ def test_the_persistent_backward_is_its_own_instantiation():
     with pytest.raises(ValueError, match="deterministic"):
         wgmma_bwd.WgmmaBwdConfig(128, True, "bfloat16", False, deterministic=True, persistent=True)
     configs = [c for c in wgmma_bwd.all_configs() if isinstance(c, wgmma_bwd.WgmmaBwdConfig)]
-    assert {(c.head_dim, c.causal) for c in configs if c.persistent} == {(64, True), (128, False)}
+    assert {(c.head_dim, c.causal) for c in configs if c.persistent} == {(128, False), (128, True)}
     assert all(dataclasses.replace(c, persistent=False) in configs for c in configs if c.persistent)
 
 

@@ -366,10 +366,10 @@ def test_the_deterministic_hopper_backward_gives_the_same_bits_every_run(monkeyp
 @hopper_only
 @pytest.mark.parametrize("d, causal, b, sq, sk, h, hk", [
     (128, False, 40, 512, 512, 16, 16), (128, False, 6, 900, 1000, 8, 2), (128, False, 4, 700, 1000, 16, 4),
-    (64, True, 4, 1000, 700, 16, 16), (128, False, 6, 640, 640, 24, 24), (96, False, 9, 333, 333, 20, 20),
-    (64, True, 24, 1024, 1024, 16, 8), (64, True, 5, 900, 1000, 31, 31)])
+    (128, True, 4, 1000, 700, 16, 16), (128, False, 6, 640, 640, 24, 24), (96, False, 9, 333, 333, 20, 20),
+    (128, True, 24, 1024, 1024, 16, 8), (128, True, 5, 900, 1000, 31, 31), (128, False, 3, 2000, 1900, 16, 16)])
 def test_the_persistent_hopper_backward_walks_many_tiles_per_cta(monkeypatch, d, causal, b, sq, sk, h, hk):
-    """Short non-causal calls at head dim 128 and causal ones at 64 run the persistent grid: with more units of two key blocks
+    """Short calls at head dim 128 run the persistent grid: with more units of two key blocks
     than SMs each CTA walks several tiles (its K/V reloaded between them, its Q/dO pipeline and dQ
     reductions running on across tiles; odd key-block counts leave a middle block alone). Gradients
     within FA2's rule, and dK/dV the same bits as the one-CTA-per-tile grid's (each tile computes

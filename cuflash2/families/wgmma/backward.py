@@ -137,11 +137,11 @@ class WgmmaBwdPassConfig:
 
 def all_configs() -> list:
     """Every instantiation a call can pick (the compile check builds them all)."""
-    # seqlen None and 1: a long and a short call (persistent_grid)
+    lengths = (None, *(longest for _, longest in PERSISTENT_SEQLENS.values()))  # long calls and short ones
     return list(dict.fromkeys(
         WgmmaBwdConfig(d, causal, dtype, gqa, deterministic, persistent=persistent_grid(d, causal, deterministic, n))
         for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES for causal in (False, True) for gqa in (False, True)
-        for deterministic in (False, True) for n in (None, 1))) + [
+        for deterministic in (False, True) for n in lengths)) + [
         WgmmaBwdPassConfig(kernel, d, dtype) for kernel in ("rows", "dq") for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES]
 
 
@@ -201,15 +201,15 @@ def _ptr(x):
     return np.uint64(x)
 
 
-#: The longest call (the longer of seqlen_q and seqlen_k) that runs the persistent grid, per kernel
-#: head dim and mask. Kernel A/B on an H200 (bf16, 3 rounds in turn, against one CTA per tile):
-#: d128 non-causal +4% at 512, +3% at 1k, even at 2k, -1..-7% from 4k; d128 causal -1..-3% at 512-4k
-#: and -6% at 16k; d64 causal +5% at 512, +1.5% at 1k, +1% at 2k (within noise), -7% at 8k; d64
-#: non-causal +1% at 512 and -7% at 2k; d256 -1..-5% at 512-2k. Short calls gained from loading the
-#: next tile's K and V during the dK/dV stores; a long call's tiles are many, and the hardware's
-#: dynamic order of one-tile CTAs beats the static walk's last round. Measured with dK and dV stored
-#: from registers: with the TMA stores the next tile's K and V wait for the stores' reads instead.
-PERSISTENT_MAX_SEQLEN = {(64, True): 1024, (128, False): 1024}
+#: The calls (by the longer of seqlen_q and seqlen_k: shortest < length <= longest) that run the
+#: persistent grid, per kernel head dim and mask. Kernel A/B on an H200 with dK and dV stored by TMA
+#: (bf16, 3 rounds in turn, persistent against one CTA per tile): d128 non-causal even at 512, +2.5%
+#: at 1k, +4% at 2k; d128 causal -2% at 512, +3% at 1k, +5% at 2k; d64 -1..-4% non-causal and
+#: -4..-6% causal at 512-2k. Earlier, with the register stores, d128 lost 1-7% from 4k and d256
+#: 1-5% at 512-2k. Short calls gain from loading the next tile's K and V while the previous tile's
+#: dK and dV are stored; a long call's tiles are many, and the hardware's dynamic order of one-tile
+#: CTAs beats the static walk's last round.
+PERSISTENT_SEQLENS = {(128, False): (0, 2048), (128, True): (512, 2048)}
 
 
 #: The persistent walk keeps a thread's place in one 32-bit word (tile index << 3, flash_bwd_sm90.cu's
@@ -220,12 +220,13 @@ MAX_PERSISTENT_UNITS = 1 << 27
 def persistent_grid(head_dim: int, causal: bool, deterministic: bool, seqlen: int | None) -> bool:
     """Whether a call runs the persistent grid (one CTA per SM walking units of key blocks, the next
     tile's K and V loaded as soon as the previous tile's dK and dV no longer need them; PersistentWalk in
-    flash_bwd_sm90.cu): short calls (`seqlen`, see PERSISTENT_MAX_SEQLEN; None: long or unknown) at
+    flash_bwd_sm90.cu): short calls (`seqlen`, see PERSISTENT_SEQLENS; None: long or unknown) at
     the kernel head dims and masks that gain from it, not in deterministic mode (whose turns follow
     the order one-tile CTAs start in)."""
     if deterministic or seqlen is None:
         return False
-    return seqlen <= PERSISTENT_MAX_SEQLEN.get((head_dim, causal), 0)
+    shortest, longest = PERSISTENT_SEQLENS.get((head_dim, causal), (0, 0))
+    return shortest < seqlen <= longest
 
 
 def main_grid(config: WgmmaBwdConfig, n_blocks: int, units: int, h: int, b: int,
