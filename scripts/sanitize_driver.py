@@ -41,7 +41,8 @@ def forward_for_backward(q, k, v, causal):
 def zeroed_key_gradients(k, v):
     """dk= and dv= for a backward, zero-filled first, for the same reason: the Hopper backward stores
     them with TMA stores where it can (the GPU tests fill them with NaN and compare). Given to every
-    backward here for simplicity; GQA and the variants store from registers either way."""
+    backward here for simplicity; the variants store from registers either way, and with GQA the
+    Hopper backward's TMA stores write its fp32 sums (zero-filled through CUFLASH2_ZERO_TMA_SCRATCH)."""
     return dict(dk=cp.zeros(k.shape, k.dtype), dv=cp.zeros(v.shape, v.dtype))
 
 
@@ -50,6 +51,7 @@ CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, causal, dtyp
     (2, 53, 37, 4, 2, 64, True, np.float16),
     (1, 70, 130, 2, 1, 128, True, ml_dtypes.bfloat16),
     (1, 19, 33, 2, 2, 256, False, np.float16),
+    (1, 70, 130, 4, 2, 256, True, ml_dtypes.bfloat16),  # GQA on the split tile (its TMA-stored sums)
     (1, 33, 19, 2, 2, 192, True, ml_dtypes.bfloat16),
     (1, 70, 130, 2, 2, 128, True, ml_dtypes.bfloat16),  # the fused one-pass backward (sm_90 default)
     (2, 45, 77, 4, 2, 128, False, np.float16),

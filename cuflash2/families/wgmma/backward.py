@@ -47,7 +47,8 @@ PARAMS = struct.Struct("<128s128s128s128s128s128sQQQQQQqqqqqqiiiiiiffiiii48x")
 KEY_GRADIENT_BOX_ROWS = 64
 #: CUFLASH2_ZERO_TMA_SCRATCH=1 zero-fills the scratch that the kernel writes by TMA stores (GQA's fp32
 #: dK/dV sums per query head) before the launch. For compute-sanitizer's initcheck, which does not count
-#: TMA stores as writes and would report the conversion's reads of them; nothing else needs it.
+#: TMA stores as writes and would report the conversion's reads of them; nothing else needs it. Read
+#: when a call is recorded: set it before the first call (a replay keeps the recorded choice).
 ZERO_TMA_SCRATCH_VARIABLE = "CUFLASH2_ZERO_TMA_SCRATCH"
 _NO_MAP = bytes(tensor_maps.MAP_BYTES)
 
@@ -137,11 +138,12 @@ class WgmmaBwdPassConfig:
 
 def all_configs() -> list:
     """Every instantiation a call can pick (the compile check builds them all)."""
-    lengths = (None, *(longest for _, longest in PERSISTENT_SEQLENS.values()))  # long calls and short ones
-    return list(dict.fromkeys(
-        WgmmaBwdConfig(d, causal, dtype, gqa, deterministic, persistent=persistent_grid(d, causal, deterministic, n))
-        for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES for causal in (False, True) for gqa in (False, True)
-        for deterministic in (False, True) for n in lengths)) + [
+    def grids(d: int, causal: bool, deterministic: bool) -> tuple[bool, ...]:  # persistent or not
+        return (False, True) if (d, causal) in PERSISTENT_SEQLENS and not deterministic else (False,)
+
+    return [WgmmaBwdConfig(d, causal, dtype, gqa, deterministic, persistent=persistent)
+            for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES for causal in (False, True) for gqa in (False, True)
+            for deterministic in (False, True) for persistent in grids(d, causal, deterministic)] + [
         WgmmaBwdPassConfig(kernel, d, dtype) for kernel in ("rows", "dq") for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES]
 
 
