@@ -17,20 +17,19 @@ same positions when causal or windowed, all at cache_seqlens[b] otherwise.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from .frameworks import adapter_for
 from .problem.features import check_softcap, check_window
 from .problem.tensors import check_bool
+from .runtime.switches import switch_on
 
 #: False sends every call through the full path (A/B timing of the decoding-step replay).
 FAST_STEPS = True
 #: Checked mode: device cache_seqlens are read back and checked against the cache's capacity before
 #: the launches (one synchronisation per call, so off by default; CUFLASH2_CHECK_KVCACHE=1 turns it
 #: on). Lengths given as ints or NumPy arrays are always checked: that costs nothing.
-CHECK_CACHE_BOUNDS = os.environ.get("CUFLASH2_CHECK_KVCACHE", "0") not in ("", "0")
+CHECK_CACHE_BOUNDS = switch_on("CUFLASH2_CHECK_KVCACHE")
 
 
 def _host_lengths(cache_seqlens):

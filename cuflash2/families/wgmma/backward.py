@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import struct
 
 import numpy as np
@@ -22,6 +21,7 @@ from ...problem.features import AttentionProblem
 from ...problem.tensors import SHORT_DTYPE, SUPPORTED_DTYPES
 from ...runtime import launcher, tensor_maps
 from ...runtime.device import sm_count
+from ...runtime.switches import switch_on
 from ..mma_sync import convert_accumulator
 from .forward import ARCH, HANG_CHECK_VARIABLE, cpp_bool, hang_check, sm90a_options
 
@@ -47,8 +47,7 @@ PARAMS = struct.Struct("<128s128s128s128s128s128sQQQQQQqqqqqqiiiiiiffiiii48x")
 KEY_GRADIENT_BOX_ROWS = 64
 #: CUFLASH2_ZERO_TMA_SCRATCH=1 zero-fills the scratch that the kernel writes by TMA stores (GQA's fp32
 #: dK/dV sums per query head) before the launch. For compute-sanitizer's initcheck, which does not count
-#: TMA stores as writes and would report the conversion's reads of them; nothing else needs it. Read
-#: when a call is recorded: set it before the first call (a replay keeps the recorded choice).
+#: TMA stores as writes and would report the conversion's reads of them; nothing else needs it.
 ZERO_TMA_SCRATCH_VARIABLE = "CUFLASH2_ZERO_TMA_SCRATCH"
 _NO_MAP = bytes(tensor_maps.MAP_BYTES)
 
@@ -267,7 +266,7 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     else:
         turns, turns_i = None, None
     if gqa:  # per query head, summed over each group by the conversion
-        zero = os.environ.get(ZERO_TMA_SCRATCH_VARIABLE, "") not in ("", "0")
+        zero = switch_on(ZERO_TMA_SCRATCH_VARIABLE)
         (dk_acc, dk_t), (dv_acc, dv_t) = (launcher.scratch((b, sk, h, d), zero=zero) for _ in range(2))
     else:
         dk_acc = dv_acc = None
@@ -305,5 +304,6 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, dev
     del lse_log2, delta, dq_acc, turns, dk_acc, dv_acc  # stream-ordered: reused only by work queued after this point
 
 
-__all__ = ["HANG_CHECK_VARIABLE", "ZERO_TMA_SCRATCH_VARIABLE", "HEAD_DIM_RANGES", "PARAMS", "WgmmaBwdConfig", "WgmmaBwdPassConfig", "all_configs",
+__all__ = ["HANG_CHECK_VARIABLE", "HEAD_DIM_RANGES", "PARAMS", "ZERO_TMA_SCRATCH_VARIABLE", "WgmmaBwdConfig",
+           "WgmmaBwdPassConfig", "all_configs",
            "backward", "kernel_head_dim", "runs_head_dim", "unsupported_reason"]

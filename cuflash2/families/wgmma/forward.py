@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import struct
 
 import numpy as np
@@ -19,6 +18,7 @@ from ...problem.features import AttentionProblem
 from ...problem.tensors import SHORT_DTYPE, SUPPORTED_DTYPES
 from ...runtime import launcher, tensor_maps
 from ...runtime.device import sm_count
+from ...runtime.switches import switch_on
 
 SOURCE = "wgmma/flash_fwd_sm90.cu"
 ARCH = 90  # compute capability the sm_90a code runs on (9.0 exactly)
@@ -211,7 +211,7 @@ def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig):
 
 
 def hang_check() -> bool:
-    return os.environ.get(HANG_CHECK_VARIABLE, "") not in ("", "0")
+    return switch_on(HANG_CHECK_VARIABLE)
 
 
 def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream,
