@@ -163,6 +163,9 @@ for b, sq, sk, h, hk, d, causal, dtype in [(1, 200, 330, 2, 1, 128, True, ml_dty
                                            (1, 1100, 1100, 2, 1, 48, True, ml_dtypes.bfloat16),
                                            (2, 1100, 1100, 16, 4, 64, True, ml_dtypes.bfloat16),  # 192 tiles:
                                            # head dim 64's two-Q-tile boundary (a CTA's tiles follow on)
+                                           (4, 1000, 1000, 16, 4, 64, True, ml_dtypes.bfloat16),  # short
+                                           # causal, 512 tiles: the next tile's Q loads during a tile
+                                           (3, 900, 300, 8, 8, 32, True, np.float16),  # and rows with no key
                                            (2, 1100, 1100, 8, 2, 256, True, ml_dtypes.bfloat16),
                                            (2, 1100, 1100, 8, 8, 128, False, np.float16),
                                            (4, 600, 300, 8, 8, 256, True, np.float16)]:

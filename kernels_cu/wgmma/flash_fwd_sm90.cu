@@ -61,6 +61,11 @@ struct FwdTile {
     static constexpr int kORegs = kPanels * 32;  // O accumulators per thread (64 x kPanels*64 per group)
     static constexpr int kQStages = kPanels == 1 ? 2 : 1;
     static_assert(kQStages <= 2, "FwdBarriers has room for two Q stages");
+    // Two-group tiles with two Q stages (short causal calls at head dims up to 64) load the next
+    // tile's Q before the current tile's last K rather than after its last V: their consumers
+    // otherwise waited for it (H200, d64 causal 512: +2% bf16, +3% fp16). The three-group tiles of
+    // long calls measured 1-4% slower with it, their producer then held the next K back.
+    static constexpr bool kEarlyQ = kQStages == 2 && kGroups == 2;
     static constexpr int kQBytes = kBlockM * 128 * kPanels;
     static constexpr int kKVBytes = kBlockN * 128 * kPanels;
     static constexpr int kK = kQStages * kQBytes;
@@ -78,6 +83,7 @@ struct FwdTile {
     // loads the next tile's V once the TMA store has read it (FwdBarriers::o_empty).
     static constexpr bool kOOverV = kStagedOutput && kV + kStages * kKVBytes + kOBytes + 128 + 1024 > 227 * 1024;
     static_assert(!kOOverV || kOBytes <= kStages * kKVBytes, "the output tile fits over the V stages");
+    static_assert(!(kOOverV && kEarlyQ), "the producer's o_empty wait counts Q loads of the current tile");
     static constexpr int kO = kOOverV ? kV : kV + kStages * kKVBytes;
     static constexpr int kBarriers = kOOverV ? kV + kStages * kKVBytes : kO + kOBytes;
     static constexpr int kBytes = kBarriers + 128 + 1024;  // + the alignment slack of the base
@@ -208,15 +214,48 @@ CF_DEVICE void load_kv_block(u32 smem, const TensorMap* map, const FwdBarriers& 
     st.advance();
 }
 
+// A tile's Q into the next Q stage, once the consumers released it.
+template <class Tl>
+CF_DEVICE void load_q_tile(u32 smem, const FwdParams& p, const FwdBarriers& bars, PipeState<Tl::kQStages>& q_state,
+                           const Tile& tile) {
+    const int q_stage = q_state.stage();
+    mbarrier_wait(bars.q_empty(q_stage), q_state.phase() ^ 1);
+    mbarrier_arrive_expect_bytes(bars.q_full(q_stage), Tl::kQBytes);
+#pragma unroll
+    for (int panel = 0; panel < Tl::kPanels; ++panel)
+        tma_load_4d(smem + q_stage * Tl::kQBytes + panel * Tl::kBlockM * 128, &p.q_map, bars.q_full(q_stage),
+                    panel * 64, tile.m_block * Tl::kBlockM, tile.head, tile.batch, kEvictFirst);
+    q_state.advance();
+}
+
+// Q of a tile loads after the last V of the tile before, or (FwdTile::kEarlyQ) during it, before
+// its last K (its last V when it has one key block): the consumers issue the next tile's first
+// Q K^T right after this tile's last one, and loading Q only after this tile's last V (and the next
+// tile's reservation) left them waiting for it at short causal calls. The early Q's stage was the
+// previous tile's, free once that tile's last Q K^T is done, which needs nothing loaded after it.
+// With one Q stage, Q waits for this tile's last Q K^T, so it can only load after the last V.
 template <class Tl, bool kCausal>
 CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
-    constexpr int kBlockM = Tl::kBlockM;
     tma_prefetch_map(&p.q_map);
     tma_prefetch_map(&p.k_map);
     tma_prefetch_map(&p.v_map);
     PipeState<> k_state, v_state;
     PipeState<Tl::kQStages> q_state;
-    for (TileWalk<kCausal> walk;;) {
+    bool q_loaded = false;  // the current tile's Q went out during the tile before
+    TileWalk<kCausal> walk;
+    int next = -1;
+    // The tile after this one, and its Q (FwdTile::kEarlyQ only).
+    auto reserve_next_tile = [&]() {
+        next = walk.reserve_next(p);
+        if (next < p.tiles) {
+            const Tile t = tile_at<kCausal>(next, p);
+            if (key_blocks<kCausal, Tl::kBlockM, Tl::kBlockN>(t.m_block, p) > 0) {
+                load_q_tile<Tl>(smem, p, bars, q_state, t);
+                q_loaded = true;
+            }
+        }
+    };
+    for (;;) {
         walk.publish(bars);
         if (walk.tile >= p.tiles) break;
         const Tile tile = tile_at<kCausal>(walk.tile, p);
@@ -226,14 +265,9 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
             continue;
         }
         const int kv_head = tile.head / p.kv_group;
-        const int q_stage = q_state.stage();
-        mbarrier_wait(bars.q_empty(q_stage), q_state.phase() ^ 1);
-        mbarrier_arrive_expect_bytes(bars.q_full(q_stage), Tl::kQBytes);
-#pragma unroll
-        for (int panel = 0; panel < Tl::kPanels; ++panel)
-            tma_load_4d(smem + q_stage * Tl::kQBytes + panel * kBlockM * 128, &p.q_map, bars.q_full(q_stage),
-                        panel * 64, tile.m_block * kBlockM, tile.head, tile.batch, kEvictFirst);
-        q_state.advance();
+        if (!q_loaded) load_q_tile<Tl>(smem, p, bars, q_state, tile);
+        q_loaded = false;
+        next = -1;
         // The consumers take K one block ahead of V: K[n] is multiplied while P[n+1] V[n+1] runs.
         load_kv_block<Tl, false>(smem, &p.k_map, bars, k_state, n_blocks - 1,
                                          kv_head, tile.batch);
@@ -242,14 +276,18 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
         // shared memory; one register less than a counter of its own, for the 24-register producer).
         if (Tl::kOOverV && q_state.count > 1) mbarrier_wait(bars.o_empty(), (q_state.count - 2) & 1);
         for (int n = n_blocks - 2; n >= 0; --n) {
+            if (Tl::kEarlyQ && n == 0) reserve_next_tile();
             load_kv_block<Tl, false>(smem, &p.k_map, bars, k_state, n,
                                              kv_head, tile.batch);
             load_kv_block<Tl, true>(smem, &p.v_map, bars, v_state, n + 1,
                                              kv_head, tile.batch);
         }
+        if (Tl::kEarlyQ && next < 0) reserve_next_tile();  // one key block: before its V
         load_kv_block<Tl, true>(smem, &p.v_map, bars, v_state, 0, kv_head,
                                          tile.batch);
-        walk.tile = walk.reserve_next(p);  // near the tile's end: the producer runs two blocks ahead
+        // Near the tile's end either way: the producer runs two blocks ahead.
+        if constexpr (Tl::kEarlyQ) walk.tile = next;
+        else walk.tile = walk.reserve_next(p);
     }
 }
 
