@@ -64,7 +64,7 @@ struct FwdTile {
     // Two-group tiles with two Q stages (short causal calls at head dims up to 64) load the next
     // tile's Q before the current tile's last K rather than after its last V: their consumers
     // otherwise waited for it (H200, d64 causal 512: +2% bf16, +3% fp16). The three-group tiles of
-    // long calls measured 1-4% slower with it, their producer then held the next K back.
+    // long calls measured 1-4% slower with it.
     static constexpr bool kEarlyQ = kQStages == 2 && kGroups == 2;
     static constexpr int kQBytes = kBlockM * 128 * kPanels;
     static constexpr int kKVBytes = kBlockN * 128 * kPanels;
