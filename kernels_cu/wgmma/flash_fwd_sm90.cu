@@ -63,8 +63,8 @@ struct FwdTile {
     static_assert(kQStages <= 2, "FwdBarriers has room for two Q stages");
     // Two-group tiles with two Q stages (short causal calls at head dims up to 64) load the next
     // tile's Q before the current tile's last K rather than after its last V: their consumers
-    // otherwise waited for it (H200, d64 causal 512: +2% bf16, +3% fp16). The three-group tiles of
-    // long calls measured 1-4% slower with it.
+    // otherwise waited for it (H200, d64 causal 512 / 1k: bf16 +2% / +1%, fp16 +1% / +3%). The
+    // three-group tiles of long calls measured -4..+1% with it (non-causal 2k -4%).
     static constexpr bool kEarlyQ = kQStages == 2 && kGroups == 2;
     static constexpr int kQBytes = kBlockM * 128 * kPanels;
     static constexpr int kKVBytes = kBlockN * 128 * kPanels;
@@ -83,7 +83,6 @@ struct FwdTile {
     // loads the next tile's V once the TMA store has read it (FwdBarriers::o_empty).
     static constexpr bool kOOverV = kStagedOutput && kV + kStages * kKVBytes + kOBytes + 128 + 1024 > 227 * 1024;
     static_assert(!kOOverV || kOBytes <= kStages * kKVBytes, "the output tile fits over the V stages");
-    static_assert(!(kOOverV && kEarlyQ), "the producer's o_empty wait counts Q loads of the current tile");
     static constexpr int kO = kOOverV ? kV : kV + kStages * kKVBytes;
     static constexpr int kBarriers = kOOverV ? kV + kStages * kKVBytes : kO + kOBytes;
     static constexpr int kBytes = kBarriers + 128 + 1024;  // + the alignment slack of the base
@@ -233,7 +232,8 @@ CF_DEVICE void load_q_tile(u32 smem, const FwdParams& p, const FwdBarriers& bars
 // Q K^T right after this tile's last one, and loading Q only after this tile's last V (and the next
 // tile's reservation) left them waiting for it at short causal calls. The early Q's stage was the
 // previous tile's, free once that tile's last Q K^T is done, which needs nothing loaded after it.
-// With one Q stage, Q waits for this tile's last Q K^T, so it can only load after the last V.
+// With one Q stage, the next Q waits for this tile's last Q K^T, which needs the last K: it cannot
+// go before that K, and goes after the last V.
 template <class Tl, bool kCausal>
 CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
     tma_prefetch_map(&p.q_map);
