@@ -13,6 +13,11 @@ variant N times in turn: the clocks drift by several percent over a run):
 
     git show HEAD~1:kernels_cu/wgmma/flash_fwd_sm90.cu > kernels_cu/wgmma/flash_fwd_sm90_base.cu
     python benchmarks/ab_wgmma.py --baseline wgmma/flash_fwd_sm90_base.cu --head-dim 64,128,256
+
+Each turn times about 2 ms of calls, at the clock the GPU has then. --seconds S makes each turn a
+sustained run of S seconds instead, as a training loop runs: the large points then reach the
+board's power limit and a lower clock, where what counts is energy per FLOP (the mean SM clock
+and power are printed beside each figure).
 """
 
 import argparse
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cuflash2 import bench
 from cuflash2.families.wgmma import forward as wgmma
 from cuflash2.problem.features import AttentionProblem
 from cuflash2.problem.tensors import AttentionShape
@@ -54,17 +60,36 @@ def tflops(fn, flops: float, rounds: int = 5) -> float:
     return flops / statistics.median(times) / 1e9
 
 
-def timed_in_turn(runs, flops: float, rounds: int) -> str:
+def sustained(fn, flops: float, seconds: float) -> tuple[float, float, float]:
+    """TFLOP/s of back-to-back calls for `seconds` (power-limited clocks at the large points), and
+    the board's mean SM clock and power past the run's first half second (NaN without NVML)."""
+    ms, t0, t1 = bench.time_sustained_ms(fn, seconds)
+    clock, watts = bench.board_monitor(cp.cuda.Device().pci_bus_id).mean(t0 + 0.5, t1)
+    return flops / ms / 1e9, clock, watts
+
+
+def timed_in_turn(runs, flops: float, rounds: int, seconds: float = 0.0) -> str:
     """Each (label, fn) of `runs` timed once per round, in turn, so that clock drift over the run
-    reaches every variant alike: the median round per label, and the range when rounds > 1."""
+    reaches every variant alike: the median round per label, and the range when rounds > 1. With
+    `seconds`, each turn is a sustained run of that length, with its mean SM clock and power."""
     results = {label: [] for label, _ in runs}
+    boards = {label: [] for label, _ in runs}
     for _ in range(rounds):
         for label, fn in runs:
-            results[label].append(tflops(fn, flops))
+            if seconds > 0:
+                rate, clock, watts = sustained(fn, flops, seconds)
+                results[label].append(rate)
+                boards[label].append((clock, watts))
+            else:
+                results[label].append(tflops(fn, flops))
     cells = []
     for label, values in results.items():
         spread = f" ({min(values):.0f}-{max(values):.0f})" if rounds > 1 else ""
-        cells.append(f"{label} {statistics.median(values):6.1f}{spread}")
+        board = ""
+        if boards[label] and not math.isnan(boards[label][0][0]):
+            board = (f" [{statistics.mean(c for c, _ in boards[label]):.0f} MHz"
+                     f" {statistics.mean(w for _, w in boards[label]):.0f} W]")
+        cells.append(f"{label} {statistics.median(values):6.1f}{spread}{board}")
     return " | ".join(cells)
 
 
@@ -88,6 +113,9 @@ def main():
     parser.add_argument("--tiles", default="", help="comma list of BLOCKNxGROUPS (default: forward_config's)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--rounds", type=int, default=1, help="times every variant once per round, in turn")
+    parser.add_argument("--seconds", type=float, default=0.0,
+                        help="each turn a sustained run of this many seconds (power-limited clocks), with "
+                             "the mean SM clock and board power (NVML)")
     args = parser.parse_args()
     for d in map(int, args.head_dim.split(",")):
         compare(d, args)
@@ -120,8 +148,8 @@ def compare(d: int, args) -> None:
             for label, variant in variants:
                 runs.append((f"{label}n{block_n} g{groups}",
                              lambda variant=variant: wgmma.forward(problem, *infos, 0, stream, config=variant)))
-        print(f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: {timed_in_turn(runs, flops, args.rounds)} TFLOP/s",
-              flush=True)
+        timings = timed_in_turn(runs, flops, args.rounds, args.seconds)
+        print(f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: {timings} TFLOP/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ COLUMNS = [
     Column("tflops", "TFLOP/s", ".1f"), Column("pct_peak", "% peak", ".1f"), Column("speedup", "cuflash2/x", ".2f"),
 ]
 ERROR_COLUMN = Column("error", "error", align="<")
+# Sustained runs (--sustain): the board's mean SM clock and power during each.
+BOARD_COLUMNS = [Column("sm_clock_mhz", "SM MHz", ".0f"), Column("power_w", "W", ".0f")]
 
 
 CONSTANT_KEYS = ("mode", "dtype")  # left out of the text table when one value covers every row
@@ -35,7 +37,8 @@ OPTIONAL_COLUMNS = {"seqlen_k": "seqlen", "heads_kv": "heads"}
 def columns_for(rows: list[dict], compact: bool = False) -> list[Column]:
     """Every column for machine formats (a fixed header); `compact` (table, markdown) drops the
     columns that say nothing for these rows."""
-    columns = COLUMNS + ([ERROR_COLUMN] if any(r.get("error") for r in rows) else [])
+    board = BOARD_COLUMNS if any("sm_clock_mhz" in r for r in rows) else []
+    columns = COLUMNS + board + ([ERROR_COLUMN] if any(r.get("error") for r in rows) else [])
     if compact:
         columns = [c for c in columns if c.key not in CONSTANT_KEYS or len({r[c.key] for r in rows}) > 1]
         columns = [c for c in columns if c.key not in OPTIONAL_COLUMNS
@@ -100,15 +103,21 @@ def _rounds_note(rounds: int) -> str:
     return f", the median of {rounds} rounds timed in rotating order" if rounds > 1 else ""
 
 
+def _run_time_note(env: dict) -> str:
+    if env.get("sustain_s"):
+        return (f"run time: mean of back-to-back calls for {env['sustain_s']:g} s after {env['warmup']} warm-up "
+                f"calls{_rounds_note(env.get('rounds', 1))}; 'SM MHz' and 'W': the board's mean SM clock and "
+                f"power (NVML) past each run's first {bench_run.SETTLE_S:g} s")
+    return (f"run time: median of {env['repeats']} CUDA-event timings after {env['warmup']} warm-up calls"
+            f"{_rounds_note(env.get('rounds', 1))}{', L2 flushed before each' if env['flush_bytes'] else ''}")
+
+
 def summary_lines(rows: list[dict], env: dict) -> list[str]:
     peak = env["peak_tflops"]
     modes = ", ".join(dict.fromkeys(f"{r['mode']} {r['dtype']}" for r in rows))
     lines = [f"{modes} on {env['gpu']} ({env['arch']}); peak {f'{peak:.0f} TFLOP/s' if peak else 'unknown'} "
              f"({env['peak_source']})",
-             f"run time: median of {env['repeats']} CUDA-event timings after {env['warmup']} warm-up calls"
-             f"{_rounds_note(env.get('rounds', 1))}"
-             f"{', L2 flushed before each' if env['flush_bytes'] else ''}; "
-             "'1st call s' is the first call's wall time (kernel compile/load included)"]
+             f"{_run_time_note(env)}; '1st call s' is the first call's wall time (kernel compile/load included)"]
     ours = [r["first_call_s"] for r in rows if r["impl"] == "cuflash2" and r.get("first_call_s") is not None]
     if ours:
         lines.append(f"cuflash2 first calls: {sum(ours):.1f} s in all, longest {max(ours):.2f} s")
@@ -164,6 +173,10 @@ def emit(rows, fmt: str, output: str | None, env: dict) -> None:
               help="Time every implementation once per round, in an order that rotates between rounds, and "
                    "keep its median round (--decode has interleaved rounds of its own).")
 @click.option("--flush-l2", is_flag=True, help="Overwrite twice the L2's size before each timed call.")
+@click.option("--sustain", "sustain_s", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+              help="Time each implementation by back-to-back calls for SECONDS per round instead of --repeats "
+                   "samples, as a training loop loads the GPU (large problems reach the board's power limit "
+                   "within a second and run at a lower clock), and report its mean SM clock and power.")
 @click.option("--peak", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Peak TFLOP/s for '% peak' (default: datasheet figure for the GPU, else a measured GEMM).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
@@ -176,7 +189,7 @@ def emit(rows, fmt: str, output: str | None, env: dict) -> None:
                    "head dim 128), GB/s of K+V read; --seqlen sets the cache lengths (default 2k,8k,32k,64k), "
                    "--batch one batch size (default 1, 16 and 64).")
 def bench_command(mode, batch, seqlens, seqlen_k, heads, heads_kv, head_dims, causal, dtype, dropout_p, deterministic,
-                  compare, warmup, repeats, rounds, flush_l2, peak, fmt, output, plot, decode) -> None:
+                  compare, warmup, repeats, rounds, flush_l2, sustain_s, peak, fmt, output, plot, decode) -> None:
     """Measure TFLOP/s and % of peak, beside torch SDPA backends.
 
     The default grid is FA2's benchmark: model dim 2048 (heads = 2048 / head dim), batch x seqlen =
@@ -188,7 +201,12 @@ def bench_command(mode, batch, seqlens, seqlen_k, heads, heads_kv, head_dims, ca
     """
     if deterministic and mode == "fwd":
         raise click.UsageError("--deterministic changes the backward only: use it with --mode bwd or fwd+bwd")
+    if sustain_s and flush_l2:
+        raise click.UsageError("--sustain times back-to-back calls, which --flush-l2 would interrupt: use one")
     if decode:
+        if sustain_s:
+            raise click.UsageError("--sustain does not apply to --decode (its interleaved rounds time "
+                                   "--repeats samples)")
         if seqlen_k or heads_kv:
             raise click.UsageError("--seqlen-k and --heads-kv do not apply to --decode (its cache lengths are "
                                    "--seqlen, its heads fixed at 32 query / 8 kv)")
@@ -211,7 +229,7 @@ def bench_command(mode, batch, seqlens, seqlen_k, heads, heads_kv, head_dims, ca
         require_torch()
     info = gpu.gpu_info(cp)
     peak_value, peak_source = bench_run.resolve_peak(cp, info.name, peak)
-    settings = {"warmup": warmup, "repeats": repeats, "flush_bytes": _flush_bytes(cp, flush_l2)}
+    settings = {"warmup": warmup, "repeats": repeats, "flush_bytes": _flush_bytes(cp, flush_l2), "sustain_s": sustain_s}
     rows = run_all(cp, problems, ["cuflash2", *compare], settings, peak_value, rounds)
     env = bench_run.environment(cp, info.name, info.arch, peak_value, peak_source, {**settings, "rounds": rounds})
     emit(rows, fmt, output, env)

@@ -155,17 +155,32 @@ def make_runner(impl: str, p: Problem, inputs):
 @dataclasses.dataclass(frozen=True)
 class Timing:
     first_call_s: float  # compile + load + one run (wall clock)
-    ms: float  # median of CUDA-event timings after warm-up
+    ms: float  # median of CUDA-event timings after warm-up, or the mean of a sustained run
+    sm_clock_mhz: float | None = None  # sustained runs: mean SM clock past the first SETTLE_S
+    power_w: float | None = None  # sustained runs: mean board power past the first SETTLE_S
 
 
-def measure(cp, fn, warmup: int, repeats: int, flush_bytes: int) -> Timing:
+#: Seconds at the start of a sustained run left out of its clock and power means: the clock
+#: follows the power draw with some lag.
+SETTLE_S = 0.5
+
+
+def measure(cp, fn, warmup: int, repeats: int, flush_bytes: int, sustain_s: float = 0.0) -> Timing:
+    """The first call's wall time, then either `repeats` CUDA-event samples or, with `sustain_s`,
+    one run of back-to-back calls that long, with the board's mean SM clock and power (None where
+    NVML cannot be read)."""
     device = cp.cuda.Device()
     device.synchronize()
     start = time.perf_counter()
     fn()
     device.synchronize()
     first = time.perf_counter() - start
-    return Timing(first, bench.time_cuda_ms(fn, warmup, repeats, flush_bytes))
+    if not sustain_s:
+        return Timing(first, bench.time_cuda_ms(fn, warmup, repeats, flush_bytes))
+    ms, t0, t1 = bench.time_sustained_ms(fn, sustain_s, warmup)
+    monitor = bench.board_monitor(device.pci_bus_id)
+    clock, power = monitor.mean(t0 + SETTLE_S, t1) if monitor.available else (None, None)
+    return Timing(first, ms, clock, power)
 
 
 def run_one(cp, impl: str, p: Problem, inputs, settings: dict, peak: float | None) -> dict:
@@ -179,8 +194,9 @@ def run_one(cp, impl: str, p: Problem, inputs, settings: dict, peak: float | Non
         cp.cuda.Device().synchronize()
         return {**row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"}
     tflops = p.flops / timing.ms / 1e9
+    board = {"sm_clock_mhz": timing.sm_clock_mhz, "power_w": timing.power_w} if settings.get("sustain_s") else {}
     return {**row, "first_call_s": timing.first_call_s, "ms": timing.ms, "tflops": tflops,
-            "pct_peak": 100.0 * tflops / peak if peak else None}
+            "pct_peak": 100.0 * tflops / peak if peak else None, **board}
 
 
 def median_round(rows: list[dict]) -> dict:

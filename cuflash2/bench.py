@@ -1,8 +1,15 @@
-"""Benchmark primitives: FLOP counts (FA2's convention) and CUDA-event timing."""
+"""Benchmark primitives: FLOP counts (FA2's convention), CUDA-event timing, and the board's SM
+clock and power (NVML) during sustained runs."""
 
 from __future__ import annotations
 
+import collections
+import ctypes
+import functools
+import math
 import statistics
+import threading
+import time
 
 #: Dense bf16/fp16 tensor-core peak, TFLOP/s, by GPU name fragment (datasheet figures).
 PEAK_TFLOPS = {
@@ -97,3 +104,89 @@ def round_order(names: list, round_index: int) -> list:
     last = [n for n in names if n in TIMED_LAST]
     shift = round_index % len(rotating) if rotating else 0
     return rotating[shift:] + rotating[:shift] + last
+
+
+def time_sustained_ms(fn, seconds: float, warmup: int = 5, batch: int = 10) -> tuple[float, float, float]:
+    """(milliseconds per fn(), wall-clock start, end) over back-to-back calls for `seconds`.
+
+    A training step keeps the GPU busy for much longer than the few milliseconds of a
+    time_cuda_ms sample: within about a second an H200 reaches its board power limit and its SM
+    clock drops (1.63-1.75 GHz instead of up to 1.98 GHz under attention), so short samples and
+    sustained runs can rank two kernels differently. The queue is kept two batches deep (no idle
+    gap between batches); the window is time.monotonic(), as BoardMonitor's samples.
+    """
+    import cupy as cp
+
+    stream = cp.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    in_flight = collections.deque()
+    start.record(stream)
+    t0, calls = time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        for _ in range(batch):
+            fn()
+        calls += batch
+        marker = cp.cuda.Event(disable_timing=True)
+        marker.record(stream)
+        in_flight.append(marker)
+        if len(in_flight) > 2:
+            in_flight.popleft().synchronize()
+    end.record(stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / calls, t0, time.monotonic()
+
+
+NVML_CLOCK_SM = 1
+NVML_SUCCESS = 0
+
+
+class BoardMonitor:
+    """SM clock (MHz) and board power (W) of one GPU, sampled every `period` seconds by a daemon
+    thread through NVML (the driver's libnvidia-ml, through ctypes: no Python package needed).
+    `available` is False where the library or the device cannot be opened; mean() then gives NaN."""
+
+    def __init__(self, pci_bus_id: str, period: float = 0.02, library: str = "libnvidia-ml.so.1"):
+        self.samples = collections.deque(maxlen=100_000)  # (time.monotonic(), MHz, W)
+        self.available = False
+        try:
+            nvml = ctypes.CDLL(library)
+            handle = ctypes.c_void_p()
+            if nvml.nvmlInit_v2() != NVML_SUCCESS or nvml.nvmlDeviceGetHandleByPciBusId_v2(
+                    pci_bus_id.encode(), ctypes.byref(handle)) != NVML_SUCCESS:
+                return
+        except (OSError, AttributeError):
+            return
+        self._nvml, self._handle, self._period = nvml, handle, period
+        self.available = self._read() is not None
+        if self.available:
+            threading.Thread(target=self._sample_forever, name="cuflash2-board-monitor", daemon=True).start()
+
+    def _read(self) -> tuple[float, float] | None:
+        clock, milliwatts = ctypes.c_uint(), ctypes.c_uint()
+        if (self._nvml.nvmlDeviceGetClockInfo(self._handle, NVML_CLOCK_SM, ctypes.byref(clock)) != NVML_SUCCESS
+                or self._nvml.nvmlDeviceGetPowerUsage(self._handle, ctypes.byref(milliwatts)) != NVML_SUCCESS):
+            return None
+        return float(clock.value), milliwatts.value / 1000.0
+
+    def _sample_forever(self) -> None:
+        while True:
+            reading = self._read()
+            if reading is not None:
+                self.samples.append((time.monotonic(), *reading))
+            time.sleep(self._period)
+
+    def mean(self, t0: float, t1: float) -> tuple[float, float]:
+        """(mean SM clock in MHz, mean board power in W) of the samples taken in [t0, t1]; NaN
+        for both when there are none."""
+        window = [s for s in list(self.samples) if t0 <= s[0] <= t1]
+        if not window:
+            return math.nan, math.nan
+        return statistics.fmean(s[1] for s in window), statistics.fmean(s[2] for s in window)
+
+
+@functools.lru_cache(maxsize=None)
+def board_monitor(pci_bus_id: str) -> BoardMonitor:
+    """One monitor (and sampling thread) per GPU for the process."""
+    return BoardMonitor(pci_bus_id)

@@ -359,6 +359,42 @@ def test_kv_columns_only_in_compact_output_when_some_problem_differs():
     assert "heads_kv" in keys and "seqlen_k" not in keys
 
 
+def test_sustain_excludes_flush_l2_and_decode_before_any_gpu_work(no_gpu):
+    result = invoke("bench", "--sustain", "2", "--flush-l2")
+    assert result.exit_code == 2 and "--flush-l2" in result.output
+    result = invoke("bench", "--sustain", "2", "--decode")
+    assert result.exit_code == 2 and "--sustain does not apply to --decode" in result.output
+    assert invoke("bench", "--sustain", "-1").exit_code == 2
+
+
+def test_sustained_rows_carry_the_board_clock_and_power(monkeypatch):
+    """--sustain: the measurement's clock and power land in the row, their columns appear in every
+    format, and the summary says how the run time was taken."""
+    timing = bench_run.Timing(first_call_s=0.5, ms=2.0, sm_clock_mhz=1650.0, power_w=690.0)
+    monkeypatch.setattr(bench_run, "measure", lambda cp, fn, **settings: timing)
+    monkeypatch.setattr(bench_run, "make_runner", lambda impl, p, inputs: None)
+    p = bench_run.Problem("fwd", "bf16", 2, 8192, 16, 128, False)
+    settings = {"warmup": 1, "repeats": 2, "flush_bytes": 0, "sustain_s": 2.0}
+    row = bench_run.run_one(None, "cuflash2", p, None, settings, 989.0)
+    assert (row["sm_clock_mhz"], row["power_w"], row["ms"]) == (1650.0, 690.0, 2.0)
+    for compact in (False, True):
+        assert {"sm_clock_mhz", "power_w"} <= {c.key for c in bench_cmd.columns_for([row], compact=compact)}
+    assert not {"sm_clock_mhz", "power_w"} & {c.key for c in bench_cmd.columns_for(_bench_rows())}
+    line = bench_cmd.summary_lines([row], {**ENV, "sustain_s": 2.0})[1]
+    assert "back-to-back calls for 2 s" in line and "NVML" in line
+    assert "median of 2 CUDA-event timings" in bench_cmd.summary_lines(_bench_rows(), ENV)[1]
+
+
+def test_board_monitor_without_nvml_reads_nothing():
+    from cuflash2 import bench
+
+    monitor = bench.BoardMonitor("0000:00:00.0", library="libno-such-nvml.so")
+    assert not monitor.available
+    assert all(math.isnan(x) for x in monitor.mean(0.0, 1e12))
+    monitor.samples.extend([(1.0, 1500.0, 600.0), (2.0, 1700.0, 700.0), (3.0, 1900.0, 100.0)])
+    assert monitor.mean(0.5, 2.5) == (1600.0, 650.0)  # the window's samples only
+
+
 def test_decode_rejects_kv_shape_options(no_gpu):
     result = invoke("bench", "--decode", "--heads-kv", "2")
     assert result.exit_code == 2 and "do not apply to --decode" in result.output
