@@ -63,8 +63,9 @@ def tflops(fn, flops: float, rounds: int = 5) -> float:
 def sustained(fn, flops: float, seconds: float) -> tuple[float, float, float]:
     """TFLOP/s of back-to-back calls for `seconds` (power-limited clocks at the large points), and
     the board's mean SM clock and power past the run's first half second (NaN without NVML)."""
+    monitor = bench.board_monitor(cp.cuda.Device().pci_bus_id)  # sampling from before the run
     ms, t0, t1 = bench.time_sustained_ms(fn, seconds)
-    clock, watts = bench.board_monitor(cp.cuda.Device().pci_bus_id).mean(t0 + 0.5, t1)
+    clock, watts = monitor.mean(t0 + 0.5, t1)
     return flops / ms / 1e9, clock, watts
 
 
@@ -86,9 +87,10 @@ def timed_in_turn(runs, flops: float, rounds: int, seconds: float = 0.0) -> str:
     for label, values in results.items():
         spread = f" ({min(values):.0f}-{max(values):.0f})" if rounds > 1 else ""
         board = ""
-        if boards[label] and not math.isnan(boards[label][0][0]):
-            board = (f" [{statistics.mean(c for c, _ in boards[label]):.0f} MHz"
-                     f" {statistics.mean(w for _, w in boards[label]):.0f} W]")
+        measured = [(c, w) for c, w in boards[label] if not math.isnan(c)]
+        if measured:
+            board = (f" [{statistics.mean(c for c, _ in measured):.0f} MHz"
+                     f" {statistics.mean(w for _, w in measured):.0f} W]")
         cells.append(f"{label} {statistics.median(values):6.1f}{spread}{board}")
     return " | ".join(cells)
 

@@ -177,8 +177,8 @@ def measure(cp, fn, warmup: int, repeats: int, flush_bytes: int, sustain_s: floa
     first = time.perf_counter() - start
     if not sustain_s:
         return Timing(first, bench.time_cuda_ms(fn, warmup, repeats, flush_bytes))
+    monitor = bench.board_monitor(device.pci_bus_id)  # sampling from before the run
     ms, t0, t1 = bench.time_sustained_ms(fn, sustain_s, warmup)
-    monitor = bench.board_monitor(device.pci_bus_id)
     clock, power = monitor.mean(t0 + SETTLE_S, t1) if monitor.available else (None, None)
     return Timing(first, ms, clock, power)
 
