@@ -60,12 +60,10 @@ def tflops(fn, flops: float, rounds: int = 5) -> float:
     return flops / statistics.median(times) / 1e9
 
 
-def sustained(fn, flops: float, seconds: float) -> tuple[float, float, float]:
+def sustained(fn, flops: float, seconds: float) -> tuple[float, float | None, float | None]:
     """TFLOP/s of back-to-back calls for `seconds` (power-limited clocks at the large points), and
-    the board's mean SM clock and power past the run's first half second (NaN without NVML)."""
-    monitor = bench.board_monitor(cp.cuda.Device().pci_bus_id)  # sampling from before the run
-    ms, t0, t1 = bench.time_sustained_ms(fn, seconds)
-    clock, watts = monitor.mean(t0 + 0.5, t1)
+    the board's mean SM clock and power (None without NVML; bench.sustained_run)."""
+    ms, clock, watts = bench.sustained_run(fn, seconds, cp.cuda.Device().pci_bus_id)
     return flops / ms / 1e9, clock, watts
 
 
@@ -87,7 +85,7 @@ def timed_in_turn(runs, flops: float, rounds: int, seconds: float = 0.0) -> str:
     for label, values in results.items():
         spread = f" ({min(values):.0f}-{max(values):.0f})" if rounds > 1 else ""
         board = ""
-        measured = [(c, w) for c, w in boards[label] if not math.isnan(c)]
+        measured = [(c, w) for c, w in boards[label] if c is not None]
         if measured:
             board = (f" [{statistics.mean(c for c, _ in measured):.0f} MHz"
                      f" {statistics.mean(w for _, w in measured):.0f} W]")

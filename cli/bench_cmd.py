@@ -107,7 +107,7 @@ def _run_time_note(env: dict) -> str:
     if env.get("sustain_s"):
         return (f"run time: mean of back-to-back calls for {env['sustain_s']:g} s after {env['warmup']} warm-up "
                 f"calls{_rounds_note(env.get('rounds', 1))}; 'SM MHz' and 'W': the board's mean SM clock and "
-                f"power (NVML) past each run's first {bench_run.SETTLE_S:g} s")
+                f"power (NVML) past each run's first {bench.SETTLE_S:g} s")
     return (f"run time: median of {env['repeats']} CUDA-event timings after {env['warmup']} warm-up calls"
             f"{_rounds_note(env.get('rounds', 1))}{', L2 flushed before each' if env['flush_bytes'] else ''}")
 

@@ -156,13 +156,8 @@ def make_runner(impl: str, p: Problem, inputs):
 class Timing:
     first_call_s: float  # compile + load + one run (wall clock)
     ms: float  # median of CUDA-event timings after warm-up, or the mean of a sustained run
-    sm_clock_mhz: float | None = None  # sustained runs: mean SM clock past the first SETTLE_S
-    power_w: float | None = None  # sustained runs: mean board power past the first SETTLE_S
-
-
-#: Seconds at the start of a sustained run left out of its clock and power means: the clock
-#: follows the power draw with some lag.
-SETTLE_S = 0.5
+    sm_clock_mhz: float | None = None  # sustained runs: mean SM clock past the first bench.SETTLE_S
+    power_w: float | None = None  # sustained runs: mean board power past the first bench.SETTLE_S
 
 
 def measure(cp, fn, warmup: int, repeats: int, flush_bytes: int, sustain_s: float = 0.0) -> Timing:
@@ -177,10 +172,7 @@ def measure(cp, fn, warmup: int, repeats: int, flush_bytes: int, sustain_s: floa
     first = time.perf_counter() - start
     if not sustain_s:
         return Timing(first, bench.time_cuda_ms(fn, warmup, repeats, flush_bytes))
-    monitor = bench.board_monitor(device.pci_bus_id)  # sampling from before the run
-    ms, t0, t1 = bench.time_sustained_ms(fn, sustain_s, warmup)
-    clock, power = monitor.mean(t0 + SETTLE_S, t1) if monitor.available else (None, None)
-    return Timing(first, ms, clock, power)
+    return Timing(first, *bench.sustained_run(fn, sustain_s, device.pci_bus_id, warmup))
 
 
 def run_one(cp, impl: str, p: Problem, inputs, settings: dict, peak: float | None) -> dict:

@@ -111,7 +111,7 @@ def time_sustained_ms(fn, seconds: float, warmup: int = 5, batch: int = 10) -> t
 
     A training step keeps the GPU busy for much longer than the few milliseconds of a
     time_cuda_ms sample: within about a second an H200 reaches its board power limit and its SM
-    clock drops (1.63-1.75 GHz instead of up to 1.98 GHz under attention), so short samples and
+    clock drops (1.43-1.81 GHz under attention instead of up to 1.98 GHz), so short samples and
     sustained runs can rank two kernels differently. The queue is kept two batches deep (no idle
     gap between batches); the window is time.monotonic(), as BoardMonitor's samples.
     """
@@ -190,3 +190,20 @@ class BoardMonitor:
 def board_monitor(pci_bus_id: str) -> BoardMonitor:
     """One monitor (and sampling thread) per GPU for the process."""
     return BoardMonitor(pci_bus_id)
+
+
+#: Seconds at the start of a sustained run left out of its clock and power means: the clock
+#: follows the power draw with some lag.
+SETTLE_S = 0.5
+
+
+def sustained_run(fn, seconds: float, pci_bus_id: str, warmup: int = 5) -> tuple[float, float | None, float | None]:
+    """(milliseconds per fn(), mean SM clock in MHz, mean board power in W) of a time_sustained_ms
+    run on the GPU at `pci_bus_id`; clock and power past the run's first SETTLE_S, None where NVML
+    cannot be read."""
+    monitor = board_monitor(pci_bus_id)  # sampling from before the run
+    ms, t0, t1 = time_sustained_ms(fn, seconds, warmup)
+    clock, power = monitor.mean(t0 + SETTLE_S, t1)
+    if math.isnan(clock):
+        return ms, None, None
+    return ms, clock, power
