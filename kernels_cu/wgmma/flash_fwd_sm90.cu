@@ -509,11 +509,7 @@ CF_DEVICE void store_rows(const float (&o)[kRegs], const RowStats& stats, const 
 
 enum : int { kOutputBarrier0 = 4 };  // named barrier ids kOutputBarrier0 + group: a group's output tile
 
-CF_DEVICE void output_barrier(int group) {
-    if (group == 0) named_barrier_sync<kOutputBarrier0, 128>();
-    else if (group == 1) named_barrier_sync<kOutputBarrier0 + 1, 128>();
-    else named_barrier_sync<kOutputBarrier0 + 2, 128>();
-}
+CF_DEVICE void output_barrier(int group) { named_barrier_sync<128>(kOutputBarrier0 + group); }
 
 // The group's 64 rows of O, normalised, through shared memory to global: stmatrix into its panels
 // of the output tile (four 8 x 8 blocks per instruction, the accumulator's layout, 128-byte

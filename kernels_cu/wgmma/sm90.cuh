@@ -207,5 +207,10 @@ template <int kId, int kThreads>
 CF_DEVICE void named_barrier_sync_across_paths() {
     asm volatile("barrier.sync %0, %1;\n" :: "n"(kId), "n"(kThreads) : "memory");
 }
+// A barrier whose id is only known at run time (one per consumer group, say): one instruction
+// with the id in a register, rather than a branch per id (ptxas then treated the code around the
+// branches as divergent and moved the loop's wgmma descriptor arithmetic off the uniform datapath).
+template <int kThreads>
+CF_DEVICE void named_barrier_sync(int id) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "n"(kThreads) : "memory"); }
 template <int kId, int kThreads>
 CF_DEVICE void named_barrier_arrive() { asm volatile("bar.arrive %0, %1;\n" :: "n"(kId), "n"(kThreads) : "memory"); }
