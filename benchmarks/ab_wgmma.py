@@ -14,6 +14,9 @@ variant N times in turn: the clocks drift by several percent over a run):
     git show HEAD~1:kernels_cu/wgmma/flash_fwd_sm90.cu > kernels_cu/wgmma/flash_fwd_sm90_base.cu
     python benchmarks/ab_wgmma.py --baseline wgmma/flash_fwd_sm90_base.cu --head-dim 64,128,256
 
+--split-tail times each variant with the last, partly filled round of non-causal tiles split
+across the SMs ("split") and without ("whole"), wherever a split is possible.
+
 Each turn times about 2 ms of calls, at the clock the GPU has then. --seconds S makes each turn a
 sustained run of S seconds instead, as a training loop runs: the large points then reach the
 board's power limit and a lower clock, where what counts is energy per FLOP (the mean SM clock
@@ -112,6 +115,8 @@ def main():
     parser.add_argument("--seqlen", default="512,2048,16384", help="comma list; batch = 16384 // seqlen")
     parser.add_argument("--tiles", default="", help="comma list of BLOCKNxGROUPS (default: forward_config's)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--split-tail", action="store_true",
+                        help="time each variant with and without a split tail (non-causal)")
     parser.add_argument("--rounds", type=int, default=1, help="times every variant once per round, in turn")
     parser.add_argument("--seconds", type=float, default=0.0,
                         help="each turn a sustained run of this many seconds (power-limited clocks), with "
@@ -145,9 +150,12 @@ def compare(d: int, args) -> None:
         for block_n, groups in tiles:
             config = dataclasses.replace(default, block_n=block_n, groups=groups)
             variants = [("", config)] + ([("base ", with_source(config, args.baseline))] if args.baseline else [])
+            splits = [("split ", True), ("whole ", False)] if args.split_tail else [("", None)]
             for label, variant in variants:
-                runs.append((f"{label}n{block_n} g{groups}",
-                             lambda variant=variant: wgmma.forward(problem, *infos, 0, stream, config=variant)))
+                for split_label, split in splits:
+                    runs.append((f"{split_label}{label}n{block_n} g{groups}",
+                                 lambda variant=variant, split=split: wgmma.forward(problem, *infos, 0, stream,
+                                                                                    config=variant, split_setting=split)))
         timings = timed_in_turn(runs, flops, args.rounds, args.seconds)
         print(f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: {timings} TFLOP/s", flush=True)
 

@@ -15,6 +15,7 @@ from cuflash2.families.mma_sync import launches as launch
 from cuflash2.runtime import launcher
 from cuflash2.families.mma_sync import fused_backward_supported, head_dim_bucket
 from cuflash2.families.wgmma import backward as wgmma_backward
+from cuflash2.families.wgmma import forward as wgmma_forward
 from cuflash2.frameworks.arrays import describe
 from cuflash2.materialize import as_float32
 from cuflash2.problem.tensors import validate_qkv
@@ -87,6 +88,18 @@ for b, sq, sk, h, hk, d, causal, dtype in [c for c in CASES if c[5] in (64, 128)
     cp.cuda.get_current_stream().synchronize()
     assert all(bool(cp.isfinite(as_float32(cp, g)).all()) for g in grads)
     print(f"ok deterministic b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal}", flush=True)
+
+# Non-causal forwards with more tiles than SMs, their tail split (tiles cut between two CTAs: rows
+# handed over through global memory; on sm_90 only): three consumer groups, staged output beside and
+# over the V stages.
+os.environ[wgmma_forward.SPLIT_TAIL_VARIABLE] = "1"
+for d, dtype in ((64, np.float16), (128, ml_dtypes.bfloat16), (256, ml_dtypes.bfloat16)):
+    q, k, v = arrays((2, 33, 70, d), (2, 300, 70, d), (2, 300, 70, d), dtype=dtype)
+    out, lse = cuflash2.flash_attn_forward(q, k, v, out=cp.zeros(q.shape, q.dtype))  # see forward_for_backward
+    cp.cuda.get_current_stream().synchronize()
+    assert bool(cp.isfinite(as_float32(cp, out)).all())
+    print(f"ok split tail d={d}", flush=True)
+del os.environ[wgmma_forward.SPLIT_TAIL_VARIABLE]
 
 # Variant kernels (window, softcap, ALiBi, dropout) forward and backward, and varlen.
 for b, sq, sk, h, hk, d, causal, dtype in CASES[:3]:

@@ -111,6 +111,112 @@ def _problem(d=128, dtype="bfloat16", causal=False, features=None):
     return AttentionProblem(AttentionShape(2, 256, 256, 4, 4, d, dtype, 0.1), causal, features or PLAIN)
 
 
+def _spans(cta: int, ctas: int, tiles: int, key_blocks: int, split) -> list:
+    """The kernel's walk (span_at in flash_fwd_sm90.cu) of one CTA, written out: (tile, lo, hi) per
+    span, in the order the CTA runs them."""
+    spans, pos = [], 0
+    while True:
+        if pos < split.whole_rounds:
+            tile = cta + pos * ctas
+            span = (tile, 0, key_blocks)
+        else:
+            begin, end = cta * split.units // ctas, (cta + 1) * split.units // ctas
+            t = (end - 1) // key_blocks - (pos - split.whole_rounds)
+            if end <= begin or t < begin // key_blocks:
+                return spans
+            span = (split.whole_rounds * ctas + t, max(begin - t * key_blocks, 0), min(end - t * key_blocks, key_blocks))
+        if span[0] >= tiles:
+            return spans
+        spans.append(span)
+        pos += 1
+
+
+@pytest.mark.parametrize("tiles, ctas, key_blocks", [(2048, 132, 13), (2048, 132, 2), (133, 132, 3), (263, 132, 7),
+                                                     (500, 7, 5), (1000, 132, 100), (2816, 132, 16), (9, 4, 2)])
+def test_a_split_tail_runs_every_key_block_once_and_cuts_a_tile_at_most_once(tiles, ctas, key_blocks):
+    """Every (tile, key block) runs exactly once; a cut tile has two spans, the low key blocks first
+    thing in CTA c's tail (handed over) and the high ones last in CTA c + 1's (taking over); the
+    tail's work per CTA differs by at most one key block; whole tiles keep the static walk."""
+    split = wgmma_fwd.split_tail(tiles, ctas, key_blocks, setting=True)
+    assert split.units > 0 and split.whole_rounds == tiles // ctas - 1
+    runs, spans_of_tile = {}, {}
+    tail_work = []
+    for cta in range(ctas):
+        spans = _spans(cta, ctas, tiles, key_blocks, split)
+        for i, (tile, lo, hi) in enumerate(spans):
+            assert 0 <= lo < hi <= key_blocks
+            spans_of_tile.setdefault(tile, []).append((cta, i, len(spans), lo, hi))
+            for n in range(lo, hi):
+                runs[tile, n] = runs.get((tile, n), 0) + 1
+        assert [s[0] for s in spans[:split.whole_rounds]] == [cta + r * ctas for r in range(split.whole_rounds)]
+        tail_work.append(sum(hi - lo for _, lo, hi in spans[split.whole_rounds:]))
+    assert runs == {(t, n): 1 for t in range(tiles) for n in range(key_blocks)}
+    assert max(tail_work) - min(tail_work) <= 1 and min(tail_work) >= key_blocks  # a tile or more each
+    for tile, spans in spans_of_tile.items():
+        assert len(spans) <= 2
+        if len(spans) == 2:
+            (c0, i0, _, lo0, hi0), (c1, i1, n1, lo1, hi1) = sorted(spans)
+            assert c1 == c0 + 1 and lo0 == 0 and hi0 == lo1 and hi1 == key_blocks
+            assert i0 == split.whole_rounds and i1 == n1 - 1  # the hand-over first, the take-over last
+
+
+def test_the_tail_is_split_where_the_last_round_leaves_sms_idle():
+    """split_tail: FA2's grid at head dim 128 (2048 tiles on 132 SMs, 15.5 rounds) splits; a whole
+    number of rounds, a last round nearly full, fewer tiles than CTAs, single key blocks and walks
+    past 32-bit unit arithmetic do not; the setting forces either way where a split is possible."""
+    assert wgmma_fwd.split_tail(2048, 132, 13) == wgmma_fwd.TailSplit(14, (2048 - 14 * 132) * 13)
+    assert wgmma_fwd.split_tail(2112, 132, 13) == wgmma_fwd.TailSplit(16)
+    assert wgmma_fwd.split_tail(2110, 132, 13) == wgmma_fwd.TailSplit(16)  # 0.02 of a tile idle
+    assert wgmma_fwd.split_tail(2110, 132, 13, setting=True).units > 0
+    assert wgmma_fwd.split_tail(2048, 132, 13, setting=False) == wgmma_fwd.TailSplit(16)
+    assert wgmma_fwd.split_tail(100, 132, 13, setting=True) == wgmma_fwd.TailSplit(1)
+    assert wgmma_fwd.split_tail(2048, 132, 1, setting=True) == wgmma_fwd.TailSplit(16)
+    assert wgmma_fwd.split_tail(2048, 132, 2 ** 24, setting=True) == wgmma_fwd.TailSplit(16)
+
+
+@pytest.mark.parametrize("causal, seqlen, setting, split", [
+    (False, 2048, "", True), (True, 2048, "", False), (False, 1024, "", False), (False, 1024, "1", True),
+    (False, 2048, "0", False), (True, 2048, "1", False), (False, 128, "1", False)])
+def test_a_split_launch_gets_scratch_for_the_rows_handed_over_and_zeroed_flags(monkeypatch, causal, seqlen, setting,
+                                                                               split):
+    """Long non-causal calls with a partly filled last round launch one CTA per SM with the split
+    walk in the struct, fp32 scratch for one hand-over per CTA and consumer group and zeroed flags;
+    short ones (staged output) only when the variable forces it; causal ones keep the tile counter
+    and no split."""
+    monkeypatch.setenv(wgmma_fwd.SPLIT_TAIL_VARIABLE, setting)
+    monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 132)
+    record = dict(scratch=[], launches=[])
+
+    def fake_scratch(shape, dtype=None, zero=False):
+        record["scratch"].append((tuple(shape), np.dtype(dtype or np.float32).name, zero))
+        return None, contiguous_info(tuple(shape), "float32", 4, "cuda:0", (16 + len(record["scratch"])) << 24)
+
+    monkeypatch.setattr(wgmma_fwd.launcher, "scratch", fake_scratch)
+    monkeypatch.setattr(wgmma_fwd.launcher, "launch_struct_kernel",
+                        lambda config, device_id, stream, grid, arguments: record["launches"].append(
+                            (config, tuple(grid), arguments.packer.unpack(arguments.packer.pack(*arguments.fields())))))
+    monkeypatch.setattr(wgmma_fwd.tensor_maps, "encode_tiled", lambda *args, **kwargs: bytes(128))
+    b, h, d = 16384 // seqlen, 16, 128
+    problem = AttentionProblem(AttentionShape(b, seqlen, seqlen, h, h, d, "bfloat16", 0.1), causal)
+    q, k, v, out = (contiguous_info((b, seqlen, h, d), "bfloat16", 2, "cuda:0", (1 + i) << 24) for i in range(4))
+    lse = contiguous_info((b, h, seqlen), "float32", 4, "cuda:0", 9 << 24)
+    wgmma_fwd.forward(problem, q, k, v, out, lse, 0, None)
+    (config, grid, fields), = record["launches"]
+    tiles = -(-seqlen // config.block_m) * h * b
+    key_blocks = -(-seqlen // config.block_n)
+    assert grid == (min(tiles, 132),)
+    whole_rounds, units = fields[-3], fields[-2]
+    if split:
+        assert record["scratch"] == [((wgmma_fwd.partial_floats(config, 132),), "float32", False),
+                                     ((132 * config.groups,), "int32", True)]
+        assert config.groups == 2 and wgmma_fwd.partial_floats(config, 132) == 132 * 2 * 128 * (64 + 4)
+        assert (whole_rounds, units) == (tiles // 132 - 1, (tiles - (tiles // 132 - 1) * 132) * key_blocks)
+        assert fields[7] and fields[8]  # their addresses
+    else:
+        assert units == 0 and not fields[7] and not fields[8]
+        assert record["scratch"] == ([((1,), "int32", True)] if causal else [])
+
+
 def test_unsupported_reasons_name_what_is_missing():
     from cuflash2.problem.features import Features
 
@@ -297,10 +403,10 @@ def test_a_replay_rebuilds_the_parameter_struct_for_new_addresses(monkeypatch):
     config = wgmma_fwd.forward_config(128, "bfloat16", True, seqlen=256)
     assert grid == (16, 1, 1) and threads == config.threads and smem == config.smem_bytes and stream == 77
     maps = [int.from_bytes(m[:8], "little") for m in fields[:4]]  # q, k, v and the output's store map
-    assert maps == addresses[:4] and list(fields[4:7]) == [addresses[3], addresses[4], 0xABC000]
+    assert maps == addresses[:4] and list(fields[4:9]) == [addresses[3], addresses[4], 0xABC000, 0, 0]
     assert memsets == [(0xABC000, 4)]  # the tile counter starts at zero on every replay
     assert wgmma_fwd.PARAMS.pack(*fields)  # the fields fit the kernel's layout
-    assert np.int32(fields[14]) == 128  # head_dim
+    assert np.int32(fields[16]) == 128  # head_dim
     built = []
     monkeypatch.setattr(tensor_maps, "encode_tiled", lambda *args, **kwargs: built.append(args) or fake_map(*args))
     recording.run(addresses, 77, scratch_base=0xABC000)  # the same addresses: the same struct, not rebuilt

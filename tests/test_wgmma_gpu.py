@@ -111,6 +111,39 @@ def test_causal_tiles_that_see_no_key(ran, head_dim, sq, sk):
 
 
 @hopper_only
+@pytest.mark.parametrize("head_dim, b, sq, sk, heads, heads_kv", [
+    (128, 2, 2000, 1700, 8, 8), (120, 2, 2100, 161, 8, 2), (64, 3, 1500, 1500, 8, 8), (64, 3, 1200, 200, 8, 4),
+    (256, 4, 1000, 1000, 8, 8), (96, 4, 900, 777, 8, 8), (192, 2, 1900, 2100, 8, 1), (32, 6, 1100, 1000, 8, 8)])
+def test_split_tails_match(monkeypatch, ran, head_dim, b, sq, sk, heads, heads_kv):
+    """Non-causal calls with more tiles than SMs, the tail split wherever it can be (a tile's key
+    blocks cut between two CTAs, one handing its rows over, the other folding them in): wide key
+    blocks, two key blocks per tile, three consumer groups, GQA, the staged output of short calls
+    (above head dim 128 over the V stages). Against the fp32 reference, and against the same call
+    without a split (not the same bits: the cut tile sums its keys in another order)."""
+    import cupy as cp
+
+    from cuflash2.families.wgmma import forward as wgmma_forward
+    from cuflash2.problem.features import AttentionProblem
+    from cuflash2.problem.tensors import AttentionShape
+    from cuflash2.runtime.device import sm_count
+
+    q, k, v = make_inputs(cp, b, sq, sk, heads, heads_kv, head_dim, "bf16",
+                          stable_seed("wgmma-split", head_dim, b, sq, sk, heads, heads_kv))
+    problem = AttentionProblem(AttentionShape(b, sq, sk, heads, heads_kv, head_dim, "bfloat16", 0.1), False)
+    config = wgmma_forward.forward_config(head_dim, "bfloat16", False, seqlen=max(sq, sk))
+    outputs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(wgmma_forward.SPLIT_TAIL_VARIABLE, setting)
+        _, split = wgmma_forward.launch_plan(problem, config, sm_count(cp.cuda.Device().id))
+        assert (split.units > 0) == (setting == "1")
+        outputs[setting] = check_forward(cp, q, k, v, False)
+    (o1, l1), (o0, l0) = outputs.values()
+    assert float(cp.abs(o1.astype(cp.float32) - o0.astype(cp.float32)).max()) < 1e-2
+    assert float(cp.abs(l1 - l0).max()) < 1e-5
+    assert ran == {"wgmma": 2, "mma_sync": 0}
+
+
+@hopper_only
 def test_strided_views_and_out(ran):
     """q, k, v as views of one packed (b, s, 3, h, d) tensor and a given `out` (strides TMA takes)."""
     import cupy as cp
@@ -215,12 +248,18 @@ def test_the_variable_compares_both_families_on_one_call(monkeypatch, causal):
 
 
 @hopper_only
-def test_the_debug_build_with_bounded_waits(monkeypatch, ran):
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_debug_build_with_bounded_waits(monkeypatch, ran, causal):
+    """The debug build (barrier and flag waits trap after a bounded spin), causal and with a split
+    tail."""
     import cupy as cp
 
+    from cuflash2.families.wgmma import forward as wgmma_forward
+
     monkeypatch.setenv(wgmma.HANG_CHECK_VARIABLE, "1")
-    q, k, v = make_inputs(cp, 2, 600, 900, 8, 8, 128, "fp16", stable_seed("wgmma-debug"))
-    check_forward(cp, q, k, v, True)
+    monkeypatch.setenv(wgmma_forward.SPLIT_TAIL_VARIABLE, "1")
+    q, k, v = make_inputs(cp, 4, 600, 900, 16, 8, 128, "fp16", stable_seed("wgmma-debug", causal))
+    check_forward(cp, q, k, v, causal)
     assert ran["wgmma"] == 1
 
 

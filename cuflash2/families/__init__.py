@@ -67,7 +67,8 @@ def environment() -> tuple:
     """The environment variables the choice of kernels depends on, as set now (recorded launches
     hold the kernels chosen when they were recorded, so replays are dropped when this changes)."""
     get = os.environ.get
-    return get(FAMILY_VARIABLE, ""), get(wgmma.HANG_CHECK_VARIABLE, ""), get(wgmma.ZERO_TMA_SCRATCH_VARIABLE, "")
+    return (get(FAMILY_VARIABLE, ""), get(wgmma.HANG_CHECK_VARIABLE, ""), get(wgmma.ZERO_TMA_SCRATCH_VARIABLE, ""),
+            get(wgmma.SPLIT_TAIL_VARIABLE, ""))
 
 
 def candidates() -> tuple:

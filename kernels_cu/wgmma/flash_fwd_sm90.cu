@@ -13,7 +13,10 @@
 // copy that runs while the next tile starts; otherwise the rows go from registers to global memory.
 //
 // Key blocks are visited from the last to the first, so the blocks that need masking (the sequence
-// tail, the causal diagonal) come first and the rest run without mask arithmetic.
+// tail, the causal diagonal) come first and the rest run without mask arithmetic. Causal CTAs take
+// tiles longest first from a global counter; non-causal ones walk them statically and share the
+// last ones' key blocks out evenly, so that no SM idles through a partly filled last round
+// (span_at).
 #include "common/quad_rows.cuh"
 #include "wgmma/wgmma_ops.cuh"
 
@@ -25,14 +28,18 @@ struct FwdParams {
     u16* o;                         // the output again, for rows written without the TMA (see store_rows)
     float* lse;                     // (batch, heads, seqlen_q) by the strides below; natural log
     int* tile_counter;              // causal: zero at launch, counts the tiles taken after the first round
+    float* partials;                // split tail: each CTA's rows of the tile it hands over (see span_at)
+    int* partial_ready;             // split tail: zero at launch, one flag per CTA and consumer group
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 lse_batch_stride, lse_head_stride;
     int seqlen_q, seqlen_k, head_dim, nheads;
     int kv_group, batch, m_blocks, tiles;
     int section_pairs;              // causal: (batch, head) pairs per L2 section of the tile order
+    int whole_rounds;               // non-causal: rounds of whole tiles (all of them without a split tail)
+    int split_units;                // non-causal: key blocks of the split tail, tiles x blocks (0: none)
     float scale_log2;               // softmax_scale * log2(e)
 };
-static_assert(sizeof(FwdParams) == 640, "FwdParams: host layout (4 maps, 3 pointers, 5 i64, 9 int, 1 float)");
+static_assert(sizeof(FwdParams) == 640, "FwdParams: host layout (4 maps, 5 pointers, 5 i64, 11 int, 1 float)");
 
 constexpr int kStages = 2;
 
@@ -140,43 +147,6 @@ CF_DEVICE Tile tile_at(int t, const FwdParams& p) {
     return {p.m_blocks - 1 - r / pairs_here, bh % p.nheads, bh / p.nheads};
 }
 
-// Which tile a CTA runs next. Non-causal: a static walk (blockIdx.x, then every gridDim.x-th).
-// Causal tiles shrink along the order, so a static walk leaves some CTAs with far more work: after
-// its first tile each CTA takes the next untaken one from a global counter (a greedy longest-first
-// schedule). The producer takes it and hands it to the consumers through shared memory; the tile
-// index past the last one tells everyone to stop.
-template <bool kCausal>
-struct TileWalk {
-    int tile = blockIdx.x;
-    u32 phase = 0;
-
-    // Producer: the tile after this one.
-    CF_DEVICE int reserve_next(const FwdParams& p) const {
-        return kCausal ? gridDim.x + atomicAdd(p.tile_counter, 1) : tile + gridDim.x;
-    }
-    CF_DEVICE void publish(const FwdBarriers& bars) {
-        if (!kCausal) return;
-        mbarrier_wait(bars.tile_empty(), phase ^ 1);
-        st_shared_volatile(bars.tile_slot(), tile);
-        mbarrier_arrive(bars.tile_full());
-        phase ^= 1;
-    }
-    // Consumers: the tile to run now. Every consumer thread arrives on tile_empty after its own
-    // read of the slot, so the producer's next write is ordered after each read by the barrier
-    // alone (one arrival per warp after __syncwarp is enough under the PTX memory model, but
-    // compute-sanitizer's racecheck cannot see that ordering and reports the slot).
-    CF_DEVICE void receive(const FwdBarriers& bars, int round) {
-        if (!kCausal) {
-            tile = blockIdx.x + round * gridDim.x;
-            return;
-        }
-        mbarrier_wait(bars.tile_full(), phase);
-        tile = ld_shared_volatile(bars.tile_slot());
-        mbarrier_arrive(bars.tile_empty());
-        phase ^= 1;
-    }
-};
-
 // Key blocks a query block attends to: [0, key_blocks). Causal masks align to the bottom-right.
 template <bool kCausal, int kBlockM, int kBlockN>
 CF_DEVICE int key_blocks(int m_block, const FwdParams& p) {
@@ -188,6 +158,76 @@ CF_DEVICE int key_blocks(int m_block, const FwdParams& p) {
     }
     return n;
 }
+
+// What a CTA runs next: key blocks [lo, hi) of one tile.
+struct Span {
+    int tile, lo, hi;
+};
+
+// The span at position `pos` of this CTA's walk (TileWalk). Causal: `pos` is a tile, all of its
+// key blocks. Non-causal tiles all cost the same, and a static walk of T tiles on P CTAs takes
+// ceil(T / P) rounds, the last one with idle SMs unless P divides T (2048 tiles on 132 SMs: 15.5
+// rounds of work in 16). So the walk runs whole_rounds rounds of whole tiles (CTA c: tile
+// c + round P), and with a split tail (split_units > 0) the key blocks of the remaining tiles are
+// shared out evenly: CTA c takes units [c U / P, (c + 1) U / P) of the tail's U = tiles x key
+// blocks, from its last tile to its first. A tile cut between CTAs c and c + 1 is run by both:
+// c runs its low key blocks first thing in the tail and hands the unnormalised rows over through
+// global memory (hand_over), c + 1 runs the high ones as its last span and folds c's rows in
+// before its epilogue (take_over). Every CTA's share is a tile or more, so a tile is cut at most
+// once; and a CTA only waits for a lower-numbered one, which started no later and hands over
+// before anything else it runs in the tail. Past the end: tile >= p.tiles.
+template <bool kCausal, int kBlockM, int kBlockN>
+CF_DEVICE Span span_at(int pos, const FwdParams& p) {
+    if (kCausal || pos < p.whole_rounds) {
+        const int tile = kCausal ? pos : blockIdx.x + pos * gridDim.x;
+        const int n = tile < p.tiles ? key_blocks<kCausal, kBlockM, kBlockN>(tile_at<kCausal>(tile, p).m_block, p) : 0;
+        return {tile, 0, n};
+    }
+    // The host keeps split_units * gridDim.x below 2^31.
+    const int n = key_blocks<false, kBlockM, kBlockN>(0, p);
+    const int begin = blockIdx.x * p.split_units / gridDim.x, end = (blockIdx.x + 1) * p.split_units / gridDim.x;
+    const int t = (end - 1) / n - (pos - p.whole_rounds);
+    if (end <= begin || t < begin / n) return {p.tiles, 0, 0};
+    return {p.whole_rounds * (int)gridDim.x + t, max(begin - t * n, 0), min(end - t * n, n)};
+}
+
+// Where a CTA is in its walk: causal, the tile it runs; else how many spans it ran before. Causal
+// tiles shrink along the order, so a static walk leaves some CTAs with far more work: after its
+// first tile each CTA takes the next untaken one from a global counter (a greedy longest-first
+// schedule). The producer takes it and hands it to the consumers through shared memory; a tile
+// index past the last one tells everyone to stop. Non-causal walks are static (span_at).
+template <bool kCausal>
+struct TileWalk {
+    int pos = kCausal ? (int)blockIdx.x : 0;
+    u32 phase = 0;
+
+    // Producer: the position after this one.
+    CF_DEVICE int reserve_next(const FwdParams& p) const {
+        return kCausal ? gridDim.x + atomicAdd(p.tile_counter, 1) : pos + 1;
+    }
+    CF_DEVICE void publish(const FwdBarriers& bars) {
+        if (!kCausal) return;
+        mbarrier_wait(bars.tile_empty(), phase ^ 1);
+        st_shared_volatile(bars.tile_slot(), pos);
+        mbarrier_arrive(bars.tile_full());
+        phase ^= 1;
+    }
+    // Consumers: the position to run next (non-causal: from -1, the one before the first). Every
+    // consumer thread arrives on tile_empty after its own read of the slot, so the producer's next
+    // write is ordered after each read by the barrier alone (one arrival per warp after __syncwarp
+    // is enough under the PTX memory model, but compute-sanitizer's racecheck cannot see that
+    // ordering and reports the slot).
+    CF_DEVICE void receive(const FwdBarriers& bars) {
+        if (!kCausal) {
+            ++pos;
+            return;
+        }
+        mbarrier_wait(bars.tile_full(), phase);
+        pos = ld_shared_volatile(bars.tile_slot());
+        mbarrier_arrive(bars.tile_empty());
+        phase ^= 1;
+    }
+};
 
 // Whether key block n has columns some row of the query block must not see.
 template <bool kCausal, int kBlockM, int kBlockN>
@@ -244,24 +284,22 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
     bool q_loaded = false;  // the current tile's Q went out during the tile before
     TileWalk<kCausal> walk;
     int next = -1;
-    // The tile after this one, and its Q (FwdTile::kEarlyQ only).
-    auto reserve_next_tile = [&]() {
+    // The span after this one, and its Q (FwdTile::kEarlyQ only).
+    auto reserve_next_span = [&]() {
         next = walk.reserve_next(p);
-        if (next < p.tiles) {
-            const Tile t = tile_at<kCausal>(next, p);
-            if (key_blocks<kCausal, Tl::kBlockM, Tl::kBlockN>(t.m_block, p) > 0) {
-                load_q_tile<Tl>(smem, p, bars, q_state, t);
-                q_loaded = true;
-            }
+        const Span s = span_at<kCausal, Tl::kBlockM, Tl::kBlockN>(next, p);
+        if (s.tile < p.tiles && s.hi > s.lo) {
+            load_q_tile<Tl>(smem, p, bars, q_state, tile_at<kCausal>(s.tile, p));
+            q_loaded = true;
         }
     };
     for (;;) {
         walk.publish(bars);
-        if (walk.tile >= p.tiles) break;
-        const Tile tile = tile_at<kCausal>(walk.tile, p);
-        const int n_blocks = key_blocks<kCausal, Tl::kBlockM, Tl::kBlockN>(tile.m_block, p);
-        if (n_blocks <= 0) {  // no key to attend to: the consumers write the empty rows alone
-            walk.tile = walk.reserve_next(p);
+        const Span span = span_at<kCausal, Tl::kBlockM, Tl::kBlockN>(walk.pos, p);
+        if (span.tile >= p.tiles) break;
+        const Tile tile = tile_at<kCausal>(span.tile, p);
+        if (span.hi <= span.lo) {  // no key to attend to: the consumers write the empty rows alone
+            walk.pos = walk.reserve_next(p);
             continue;
         }
         const int kv_head = tile.head / p.kv_group;
@@ -269,25 +307,21 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
         q_loaded = false;
         next = -1;
         // The consumers take K one block ahead of V: K[n] is multiplied while P[n+1] V[n+1] runs.
-        load_kv_block<Tl, false>(smem, &p.k_map, bars, k_state, n_blocks - 1,
-                                         kv_head, tile.batch);
+        load_kv_block<Tl, false>(smem, &p.k_map, bars, k_state, span.hi - 1, kv_head, tile.batch);
         // Output staged over the V stages: the previous tile's must have been read by its TMA stores.
         // q_state counts the tiles with keys, this one included (the ones whose output goes through
         // shared memory; one register less than a counter of its own, for the 24-register producer).
         if (Tl::kOOverV && q_state.count > 1) mbarrier_wait(bars.o_empty(), (q_state.count - 2) & 1);
-        for (int n = n_blocks - 2; n >= 0; --n) {
-            if (Tl::kEarlyQ && n == 0) reserve_next_tile();
-            load_kv_block<Tl, false>(smem, &p.k_map, bars, k_state, n,
-                                             kv_head, tile.batch);
-            load_kv_block<Tl, true>(smem, &p.v_map, bars, v_state, n + 1,
-                                             kv_head, tile.batch);
+        for (int n = span.hi - 2; n >= span.lo; --n) {
+            if (Tl::kEarlyQ && n == span.lo) reserve_next_span();
+            load_kv_block<Tl, false>(smem, &p.k_map, bars, k_state, n, kv_head, tile.batch);
+            load_kv_block<Tl, true>(smem, &p.v_map, bars, v_state, n + 1, kv_head, tile.batch);
         }
-        if (Tl::kEarlyQ && next < 0) reserve_next_tile();  // one key block: before its V
-        load_kv_block<Tl, true>(smem, &p.v_map, bars, v_state, 0, kv_head,
-                                         tile.batch);
-        // Near the tile's end either way: the producer runs two blocks ahead.
-        if constexpr (Tl::kEarlyQ) walk.tile = next;
-        else walk.tile = walk.reserve_next(p);
+        if (Tl::kEarlyQ && next < 0) reserve_next_span();  // one key block: before its V
+        load_kv_block<Tl, true>(smem, &p.v_map, bars, v_state, span.lo, kv_head, tile.batch);
+        // Near the span's end either way: the producer runs two blocks ahead.
+        if constexpr (Tl::kEarlyQ) walk.pos = next;
+        else walk.pos = walk.reserve_next(p);
     }
 }
 
@@ -440,22 +474,47 @@ CF_DEVICE void release(u32 bar, int lane) {
     if (lane == 0) mbarrier_arrive(bar);
 }
 
-// A consumer's view of one tile of the walk: which tile, how many key blocks, its two rows.
+// A consumer's view of one span of the walk: which tile, which key blocks. The rest of what the
+// epilogue needs (the tile's head and batch, this thread's rows) is worked out there from these:
+// registers held through the key loop are what the three-group kernels run short of.
 struct ConsumerTile {
-    Tile tile;
-    int n_blocks;  // key blocks [0, n_blocks); 0: rows that see no key
-    int row[2];    // this thread's rows of O
-    bool valid;    // false past the last tile
+    int index;    // the tile (tile_at)
+    int m_block;  // its query block
+    int lo, hi;   // key blocks [lo, hi); none: rows that see no key
+    bool valid;   // false past the last span
+    CF_DEVICE bool has_keys() const { return hi > lo; }
 };
 
+// This thread's two rows of O in query block m_block.
+template <int kBlockM>
+struct ThreadRows {
+    int row[2];
+    CF_DEVICE ThreadRows(int m_block, int group, int warp, int lane) {
+        row[0] = m_block * kBlockM + group * 64 + warp * 16 + lane / 4;
+        row[1] = row[0] + 8;
+    }
+};
+
+// What becomes of a span's rows: stored (kWholeRows), handed to the next CTA (kHandOver: the low
+// key blocks of a cut tile) or combined with the previous CTA's (kTakeOver: the high ones); from
+// the bounds, so that the consumers keep no register for it (the key blocks per tile are a launch
+// constant where tiles are cut).
+enum SpanRole : int { kWholeRows, kHandOver, kTakeOver };
+template <bool kCausal, int kBlockM, int kBlockN>
+CF_DEVICE int span_role(const ConsumerTile& t, const FwdParams& p) {
+    if (kCausal) return kWholeRows;
+    return t.hi < key_blocks<false, kBlockM, kBlockN>(0, p) ? kHandOver : t.lo > 0 ? kTakeOver : kWholeRows;
+}
+
 template <class Tl, bool kCausal>
-CF_DEVICE ConsumerTile consumer_tile(int t, int group, int warp, int lane, const FwdParams& p) {
+CF_DEVICE ConsumerTile consumer_tile(int pos, const FwdParams& p) {
+    const Span span = span_at<kCausal, Tl::kBlockM, Tl::kBlockN>(pos, p);
     ConsumerTile c;
-    c.valid = t < p.tiles;
-    c.tile = tile_at<kCausal>(c.valid ? t : 0, p);
-    c.n_blocks = c.valid ? key_blocks<kCausal, Tl::kBlockM, Tl::kBlockN>(c.tile.m_block, p) : 0;
-    c.row[0] = c.tile.m_block * Tl::kBlockM + group * 64 + warp * 16 + lane / 4;
-    c.row[1] = c.row[0] + 8;
+    c.valid = span.tile < p.tiles;
+    c.index = c.valid ? span.tile : 0;
+    c.m_block = tile_at<kCausal>(c.index, p).m_block;
+    c.lo = span.lo;
+    c.hi = c.valid ? span.hi : 0;
     return c;
 }
 
@@ -520,12 +579,13 @@ CF_DEVICE void output_barrier(int group) { named_barrier_sync<128>(kOutputBarrie
 // warp's last P V, and thread 0 hands the stages back to the producer as soon as its stores have
 // read them (the next tile's V loads wait for that).
 template <class Tl, bool kBf16>
-CF_DEVICE void store_output(const float (&o)[Tl::kORegs], const RowStats& stats, const ConsumerTile& t,
-                            int group, int warp, int lane, u32 o_panels, const PipeState<>& v_state,
-                            const FwdBarriers& bars, const FwdParams& p, bool& store_pending) {
+CF_DEVICE void store_output(const float (&o)[Tl::kORegs], const RowStats& stats, const Tile& tile,
+                            const int (&row)[2], int group, int warp, int lane, u32 o_panels,
+                            const PipeState<>& v_state, const FwdBarriers& bars, const FwdParams& p,
+                            bool& store_pending) {
     constexpr int kPanelBytes = 64 * 128;
     float inv[2];
-    finish_rows(stats, t.row, lane, t.tile, p, inv);
+    finish_rows(stats, row, lane, tile, p, inv);
     const bool issuer = threadIdx.x % 128 == 0;
     if (Tl::kOOverV) {
         const u32 last = v_state.count - 1;  // the tile's last P V read this V stage
@@ -540,8 +600,8 @@ CF_DEVICE void store_output(const float (&o)[Tl::kORegs], const RowStats& stats,
     if (issuer) {
 #pragma unroll
         for (int panel = 0; panel < Tl::kPanels; ++panel)
-            tma_store_4d(&p.o_map, o_panels + panel * kPanelBytes, panel * 64, t.tile.m_block * Tl::kBlockM + group * 64,
-                         t.tile.head, t.tile.batch);
+            tma_store_4d(&p.o_map, o_panels + panel * kPanelBytes, panel * 64, tile.m_block * Tl::kBlockM + group * 64,
+                         tile.head, tile.batch);
         bulk_commit();
         store_pending = true;
         if (Tl::kOOverV) {
@@ -552,9 +612,65 @@ CF_DEVICE void store_output(const float (&o)[Tl::kORegs], const RowStats& stats,
     }
 }
 
-// The consumer warpgroup's walk. Per tile, key blocks go from the last to the first: S of the last
-// block alone, then S of block n while P[n+1] V[n+1] accumulates, then P[0] V[0] alone, then the
-// epilogue. With two Q stages the tile boundary is one step like the others: the next tile's first
+// ---- consumer: tiles cut between two CTAs (span_at) ----------------------------------------------
+// Both CTAs hold the tile's rows in the same accumulator layout, so each thread hands over its own
+// registers to the same thread of the other CTA: float4 columns of 128 threads, then the row
+// statistics (maximum and this thread's part of the sum, per row), one slot per CTA and group.
+template <class Tl>
+CF_DEVICE float4* partial_slot(const FwdParams& p, int cta, int group) {
+    return reinterpret_cast<float4*>(p.partials) + (i64)(cta * Tl::kGroups + group) * (Tl::kORegs / 4 + 1) * 128 +
+           threadIdx.x % 128;
+}
+
+// The group's unnormalised rows of the tile's low key blocks, for the next CTA: every thread
+// writes its slot, then one thread raises the group's flag with release semantics (the barrier
+// orders the other threads' writes before it).
+template <class Tl>
+CF_DEVICE void hand_over(const float (&o)[Tl::kORegs], const RowStats& stats, int group, const FwdBarriers& bars,
+                         const FwdParams& p) {
+    float4* slot = partial_slot<Tl>(p, blockIdx.x, group);
+#pragma unroll
+    for (int j = 0; j < Tl::kORegs / 4; ++j)
+        __stcg(slot + j * 128, make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]));
+    __stcg(slot + Tl::kORegs / 4 * 128, make_float4(stats.max[0], stats.max[1], stats.sum[0], stats.sum[1]));
+    output_barrier(group);
+    if (threadIdx.x % 128 == 0) {
+        add_release_gpu(p.partial_ready + blockIdx.x * Tl::kGroups + group, 1);
+        if (Tl::kOOverV) mbarrier_arrive(bars.o_empty());  // nothing staged over V for this span
+    }
+}
+
+// The previous CTA's rows of this tile's low key blocks folded into this group's (the high ones):
+// both brought to the larger row maximum, as the online softmax does between key blocks.
+template <class Tl>
+CF_DEVICE void take_over(float (&o)[Tl::kORegs], RowStats& stats, int group, const FwdParams& p) {
+    if (threadIdx.x % 128 == 0) wait_for_turn(p.partial_ready + (blockIdx.x - 1) * Tl::kGroups + group, 1);
+    output_barrier(group);  // the flag acquired by one thread, then read by all
+    const float4* slot = partial_slot<Tl>(p, blockIdx.x - 1, group);
+    const float4 theirs = __ldcg(slot + Tl::kORegs / 4 * 128);
+    const float their_max[2] = {theirs.x, theirs.y}, their_sum[2] = {theirs.z, theirs.w};
+    float keep[2], add[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float m = fmaxf(stats.max[r], their_max[r]);
+        keep[r] = stats.max[r] == -CF_INF ? 0.f : exp2f((stats.max[r] - m) * p.scale_log2);
+        add[r] = their_max[r] == -CF_INF ? 0.f : exp2f((their_max[r] - m) * p.scale_log2);
+        stats.max[r] = m;
+        stats.sum[r] = stats.sum[r] * keep[r] + their_sum[r] * add[r];
+    }
+#pragma unroll
+    for (int j = 0; j < Tl::kORegs / 4; ++j) {
+        const float4 v = __ldcg(slot + j * 128);
+        o[4 * j] = o[4 * j] * keep[0] + v.x * add[0];
+        o[4 * j + 1] = o[4 * j + 1] * keep[0] + v.y * add[0];
+        o[4 * j + 2] = o[4 * j + 2] * keep[1] + v.z * add[1];
+        o[4 * j + 3] = o[4 * j + 3] * keep[1] + v.w * add[1];
+    }
+}
+
+// The consumer warpgroup's walk. Per span, key blocks go from the last to the first: S of the last
+// block alone, then S of block n while P[n+1] V[n+1] accumulates, then P[lo] V[lo] alone, then the
+// epilogue (or the hand-over of a tile cut between two CTAs, see span_at). With two Q stages the tile boundary is one step like the others: the next tile's first
 // S runs with this tile's last P V, and the epilogue follows while nothing waits on it. The
 // epilogue's TMA stores run on while the next tile starts.
 template <class Tl, bool kCausal, bool kBf16>
@@ -566,8 +682,9 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
     PipeState<> k_state, v_state;
     PipeState<Tl::kQStages> q_state;
     TileWalk<kCausal> walk;
-    walk.receive(bars, 0);
-    ConsumerTile cur = consumer_tile<Tl, kCausal>(walk.tile, group, warp, lane, p);
+    walk.pos = -1;
+    walk.receive(bars);
+    ConsumerTile cur = consumer_tile<Tl, kCausal>(walk.pos, p);
     float o[kORegs], s[kBlockN / 2], scale[2];
     u32 pa[kBlockN / 16][4];
     RowStats stats;
@@ -581,12 +698,22 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
     };
     // store_pending: thread 0's last TMA stores may still read the group's panels of the output tile.
     bool store_pending = false;
-    auto store_tile = [&](const ConsumerTile& t) {
+    // `whole`: the caller knows that the span covers the whole tile (see span_role).
+    auto store_tile = [&](const ConsumerTile& t, bool whole) {
+        const int role = whole ? kWholeRows : span_role<kCausal, Tl::kBlockM, Tl::kBlockN>(t, p);
+        if (role == kHandOver) {
+            hand_over<Tl>(o, stats, group, bars, p);
+            return;
+        }
+        if (role == kTakeOver) take_over<Tl>(o, stats, group, p);
         const u32 o_panels = smem + Tl::kO + group * Tl::kPanels * 64 * 128;
-        if (Tl::kStagedOutput && t.n_blocks > 0)
-            store_output<Tl, kBf16>(o, stats, t, group, warp, lane, o_panels, v_state, bars, p, store_pending);
+        const Tile tile = tile_at<kCausal>(t.index, p);
+        const ThreadRows<Tl::kBlockM> rows(t.m_block, group, warp, lane);
+        if (Tl::kStagedOutput && t.has_keys())
+            store_output<Tl, kBf16>(o, stats, tile, rows.row, group, warp, lane, o_panels, v_state, bars, p,
+                                    store_pending);
         else
-            store_rows<kORegs, kBf16>(o, stats, t.row, lane, t.tile, p);
+            store_rows<kORegs, kBf16>(o, stats, rows.row, lane, tile, p);
     };
     // S of a tile's last key block alone (nothing to overlap it with), folded into fresh statistics.
     auto first_block = [&](const ConsumerTile& t) {
@@ -599,8 +726,9 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         register_fence(s);
         release(bars.k_empty(k_state.stage()), lane);
         k_state.advance();
-        if (t.n_blocks == 1) release_q();  // its only Q K^T is done: Q may reload
-        fold_block<Tl, kCausal>(s, t.n_blocks - 1, t.tile.m_block, t.row, lane, stats, scale, p);
+        if (t.hi - t.lo == 1) release_q();  // its only Q K^T is done: Q may reload
+        fold_block<Tl, kCausal>(s, t.hi - 1, t.m_block, ThreadRows<Tl::kBlockM>(t.m_block, group, warp, lane).row,
+                                lane, stats, scale, p);
         scale[0] = scale[1] = 1.f;  // O is still zero
         pack_probabilities<kBlockN, kBf16>(s, pa);
     };
@@ -637,34 +765,40 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         release(bars.v_empty(v_state.stage()), lane);
         v_state.advance();
     };
-    if (cur.valid && cur.n_blocks > 0) first_block(cur);
-    for (int round = 1; cur.valid; ++round) {
+    if (cur.valid && cur.has_keys()) first_block(cur);
+    while (cur.valid) {
         // S of block n while P[n+1] V[n+1] accumulates.
-        for (int n = cur.n_blocks - 2; n >= 0; --n) {
+        for (int n = cur.hi - 2; n >= cur.lo; --n) {
             issue_scores_and_values();
-            if (n == 0) release_q();  // the tile's last Q K^T is done: Q may reload
-            fold_block<Tl, kCausal>(s, n, cur.tile.m_block, cur.row, lane, stats, scale, p);
+            if (n == cur.lo) release_q();  // the tile's last Q K^T is done: Q may reload
+            fold_block<Tl, kCausal>(s, n, cur.m_block, ThreadRows<Tl::kBlockM>(cur.m_block, group, warp, lane).row,
+                                    lane, stats, scale, p);
             finish_values();
             pack_probabilities<kBlockN, kBf16>(s, pa);
         }
-        walk.receive(bars, round);
-        const ConsumerTile next = consumer_tile<Tl, kCausal>(walk.tile, group, warp, lane, p);
-        if (Tl::kQStages == 2 && cur.n_blocks > 0 && next.valid && next.n_blocks > 0) {
+        walk.receive(bars);
+        const ConsumerTile next = consumer_tile<Tl, kCausal>(walk.pos, p);
+        // (A tile cut between two CTAs takes the other way: once per CTA, and the registers that
+        // its hand-over needs beside the next tile's scores would spill.)
+        if (Tl::kQStages == 2 && cur.has_keys() && next.valid && next.has_keys() &&
+            span_role<kCausal, Tl::kBlockM, Tl::kBlockN>(cur, p) == kWholeRows) {
             // The next tile's first S (its Q in the other stage) with this tile's last P V.
             RowStats next_stats;
             mbarrier_wait(bars.q_full(q_state.stage()), q_state.phase());
             issue_scores_and_values();
-            if (next.n_blocks == 1) release_q();
-            fold_block<Tl, kCausal>(s, next.n_blocks - 1, next.tile.m_block, next.row, lane, next_stats, scale, p);
+            if (next.hi - next.lo == 1) release_q();
+            fold_block<Tl, kCausal>(s, next.hi - 1, next.m_block,
+                                    ThreadRows<Tl::kBlockM>(next.m_block, group, warp, lane).row, lane, next_stats,
+                                    scale, p);
             scale[0] = scale[1] = 1.f;  // the next tile's O starts at zero
             finish_values();
-            store_tile(cur);
+            store_tile(cur, true);
             stats = next_stats;
 #pragma unroll
             for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
             pack_probabilities<kBlockN, kBf16>(s, pa);
         } else {
-            if (cur.n_blocks > 0) {  // P[0] V[0] alone
+            if (cur.has_keys()) {  // P[lo] V[lo] alone
                 mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
                 rescale_output();
                 take_turn(group);
@@ -677,11 +811,11 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
                 release(bars.v_empty(v_state.stage()), lane);
                 v_state.advance();
             }
-            store_tile(cur);
+            store_tile(cur, false);
             stats = RowStats();
 #pragma unroll
             for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
-            if (next.valid && next.n_blocks > 0) first_block(next);
+            if (next.valid && next.has_keys()) first_block(next);
         }
         cur = next;
     }

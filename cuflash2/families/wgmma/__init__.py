@@ -13,8 +13,8 @@ from ...problem.tensors import DTYPE_NAMES
 from . import backward as backward_kernel
 from . import forward as forward_kernel
 from .backward import ZERO_TMA_SCRATCH_VARIABLE
-from .forward import (HANG_CHECK_VARIABLE, WgmmaFwdConfig, all_configs as all_forward_configs, forward_config,
-                      unsupported_reason)
+from .forward import (HANG_CHECK_VARIABLE, SPLIT_TAIL_VARIABLE, WgmmaFwdConfig, all_configs as all_forward_configs,
+                      forward_config, unsupported_reason)
 
 
 class WgmmaFamily:
@@ -61,5 +61,5 @@ class WgmmaFamily:
 
 FAMILY = WgmmaFamily()
 
-__all__ = ["FAMILY", "HANG_CHECK_VARIABLE", "ZERO_TMA_SCRATCH_VARIABLE", "WgmmaFamily", "WgmmaFwdConfig", "all_forward_configs", "forward_config",
+__all__ = ["FAMILY", "HANG_CHECK_VARIABLE", "SPLIT_TAIL_VARIABLE", "ZERO_TMA_SCRATCH_VARIABLE", "WgmmaFamily", "WgmmaFwdConfig", "all_forward_configs", "forward_config",
            "unsupported_reason"]

@@ -18,7 +18,7 @@ from ...problem.features import AttentionProblem
 from ...problem.tensors import SHORT_DTYPE, SUPPORTED_DTYPES
 from ...runtime import launcher, tensor_maps
 from ...runtime.device import sm_count
-from ...runtime.switches import switch_on
+from ...runtime.switches import switch_on, switch_setting
 
 SOURCE = "wgmma/flash_fwd_sm90.cu"
 ARCH = 90  # compute capability the sm_90a code runs on (9.0 exactly)
@@ -28,9 +28,12 @@ MAX_HEAD_DIM = 256
 SMEM_LIMIT = 227 * 1024
 #: CUFLASH2_HANG_CHECK=1 runs the debug build, whose barrier waits trap after 4 s instead of hanging.
 HANG_CHECK_VARIABLE = "CUFLASH2_HANG_CHECK"
-# FwdParams (flash_fwd_sm90.cu): 4 maps (q, k, v, out), out, lse, tile counter, 5 i64 strides, 9 ints,
-# scale_log2, padding to 640.
-PARAMS = struct.Struct("<128s128s128s128sQQQqqqqqiiiiiiiiif24x")
+#: CUFLASH2_SPLIT_TAIL=1 splits the tail of every non-causal launch that can be split, 0 none (see
+#: split_tail); unset, the launches that leave SMs idle for long enough.
+SPLIT_TAIL_VARIABLE = "CUFLASH2_SPLIT_TAIL"
+# FwdParams (flash_fwd_sm90.cu): 4 maps (q, k, v, out), out, lse, tile counter, partial rows and their
+# flags, 5 i64 strides, 11 ints, scale_log2.
+PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqiiiiiiiiiiif")
 L2_SECTION_BYTES = 32 << 20  # causal tile order: K and V of one section of heads fit in L2
 
 
@@ -188,24 +191,62 @@ def tile_count(shape, config: WgmmaFwdConfig) -> int:
     return math.ceil(shape.seqlen_q / config.block_m) * shape.nheads * shape.batch
 
 
-def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig):
+#: Idle time, in tiles per CTA, that a partly filled last round must leave before its tail is
+#: split: a tile cut between two CTAs costs one CTA a write and the other a read of its rows in
+#: fp32 (at head dim 128, 64 KB each way, a few percent of a 4k tile).
+MIN_IDLE_TILES = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class TailSplit:
+    """The non-causal walk of `ctas` CTAs (span_at in the kernel): `whole_rounds` rounds of whole
+    tiles, then `units` key blocks of the remaining tiles shared out evenly (none: 0)."""
+
+    whole_rounds: int
+    units: int = 0
+
+
+def split_tail(tiles: int, ctas: int, key_blocks: int, setting: bool | None = None) -> TailSplit:
+    """How a non-causal launch of `tiles` tiles with `key_blocks` key blocks each walks on `ctas`
+    CTAs. Without a split, ceil(tiles / ctas) rounds of whole tiles, the last one partly filled.
+    With one, a round fewer than the full ones, then the remaining tiles (more than `ctas`, fewer
+    than twice as many) cut into key blocks and shared out evenly, so that every CTA's share is a
+    tile or more and a tile is cut at most once. `setting`: True splits wherever that is possible,
+    False nowhere, None where the last round leaves CTAs idle for at least MIN_IDLE_TILES."""
+    rounds = -(-tiles // ctas)
+    whole = tiles // ctas - 1
+    units = (tiles - whole * ctas) * key_blocks
+    possible = tiles > ctas and tiles % ctas != 0 and key_blocks >= 2 and units * ctas < 2 ** 31
+    wanted = setting if setting is not None else rounds - tiles / ctas >= MIN_IDLE_TILES
+    return TailSplit(whole, units) if possible and wanted else TailSplit(rounds)
+
+
+def partial_floats(config: WgmmaFwdConfig, ctas: int) -> int:
+    """fp32 values of the rows a split tail hands over: per CTA and consumer group, each thread's O
+    accumulators and four row statistics."""
+    return ctas * config.groups * 128 * (config.panels * 32 + 4)
+
+
+def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig, split: TailSplit):
     """build(addresses) -> the FwdParams fields, in PARAMS order, of a call on tensors laid out as
     the described q, k, v, out, lse placed at `addresses` (theirs, then the tile counter's: a zeroed
-    int32 for causal calls, else None). Everything but the addresses is worked out once here."""
+    int32 for causal calls, else None; then those of a split tail's partial rows and zeroed flags,
+    else None). Everything but the addresses is worked out once here."""
     b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.head_dim
     m_blocks = math.ceil(sq / config.block_m)
     scalars = (out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
                sq, sk, d, h, shape.kv_group, b, m_blocks, m_blocks * h * b, section_pairs(shape),
-               shape.softmax_scale * math.log2(math.e))
+               split.whole_rounds, split.units, shape.softmax_scale * math.log2(math.e))
     block_m, block_n = config.block_m, config.block_n
 
     def build(addresses) -> tuple:
-        q_at, k_at, v_at, out_at, lse_at, counter_at = addresses
+        q_at, k_at, v_at, out_at, lse_at, counter_at, partials_at, flags_at = addresses
         # The output's map only where the kernel stores through it (a replay re-encodes each map
         # whose address moved).
         out_map = _map(out, out_at, GROUP_ROWS, b, sq, h, d) if config.staged_output else bytes(tensor_maps.MAP_BYTES)
         return (_map(q, q_at, block_m, b, sq, h, d), _map(k, k_at, block_n, b, sk, hk, d),
-                _map(v, v_at, block_n, b, sk, hk, d), out_map, out_at, lse_at, counter_at or 0) + scalars
+                _map(v, v_at, block_n, b, sk, hk, d), out_map, out_at, lse_at, counter_at or 0, partials_at or 0,
+                flags_at or 0) + scalars
 
     return build
 
@@ -214,21 +255,45 @@ def hang_check() -> bool:
     return switch_on(HANG_CHECK_VARIABLE)
 
 
+def launch_plan(problem: AttentionProblem, config: WgmmaFwdConfig, ctas: int,
+                split_setting: bool | None = None) -> tuple[int, TailSplit]:
+    """(CTAs launched, how they walk the tiles) of a call on a GPU with `ctas` SMs: one CTA per SM,
+    at most one per tile; long non-causal calls may split their tail (split_tail; `split_setting`,
+    else SPLIT_TAIL_VARIABLE, forces it on or off, short ones included)."""
+    shape = problem.shape
+    tiles = tile_count(shape, config)
+    grid = min(tiles, ctas)
+    if problem.causal or grid == 0:
+        return grid, TailSplit(-(-tiles // max(grid, 1)))
+    if split_setting is None:
+        split_setting = switch_setting(SPLIT_TAIL_VARIABLE)
+    if split_setting is None and config.staged_output:
+        # Short calls keep whole tiles: a tile is a few key blocks there, and the two extra spans
+        # of a split (each a Q load and a pipeline start) cost what the idle SMs did (H200, kernel
+        # A/B: d128 / d256 at 512 -4% / -9%, at 1k -0.3% / -3.5%).
+        split_setting = False
+    return grid, split_tail(tiles, grid, -(-shape.seqlen_k // config.block_n), split_setting)
+
+
 def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream,
-            config: WgmmaFwdConfig | None = None) -> None:
+            config: WgmmaFwdConfig | None = None, split_setting: bool | None = None) -> None:
     """out, lse <- attention(q, k, v) (TensorInfo of (batch, seqlen, heads, head_dim) tensors and of
     the (batch, heads, seqlen_q) fp32 LSE), queued on `stream` as one persistent launch: one CTA
-    per SM, at most one per tile."""
+    per SM, at most one per tile. `config` and `split_setting` (see launch_plan) override the
+    choices of a call, for kernel A/Bs."""
     shape = problem.shape
     config = config or forward_config(shape.head_dim, shape.dtype, problem.causal, hang_check(),
                                       max(shape.seqlen_q, shape.seqlen_k))
-    tiles = tile_count(shape, config)
-    if tiles == 0:
+    grid, split = launch_plan(problem, config, sm_count(device_id), split_setting)
+    if grid == 0:
         return
     counter, counter_info = launcher.scratch((1,), np.int32, zero=True) if problem.causal else (None, None)
+    partials, partials_info = launcher.scratch((partial_floats(config, grid),)) if split.units else (None, None)
+    flags, flags_info = (launcher.scratch((grid * config.groups,), np.int32, zero=True) if split.units
+                         else (None, None))
 
     # The maps embed the addresses: replays rebuild the struct for theirs.
-    arguments = launcher.StructArguments(PARAMS, (q, k, v, out, lse, counter_info),
-                                         struct_builder(q, k, v, out, lse, shape, config))
-    launcher.launch_struct_kernel(config, device_id, stream, (min(tiles, sm_count(device_id)),), arguments)
-    del counter  # stream-ordered: reused only by work queued after this point
+    arguments = launcher.StructArguments(PARAMS, (q, k, v, out, lse, counter_info, partials_info, flags_info),
+                                         struct_builder(q, k, v, out, lse, shape, config, split))
+    launcher.launch_struct_kernel(config, device_id, stream, (grid,), arguments)
+    del counter, partials, flags  # stream-ordered: reused only by work queued after this point
