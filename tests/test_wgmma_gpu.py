@@ -139,7 +139,7 @@ def test_split_tails_match(monkeypatch, ran, head_dim, b, sq, sk, heads, heads_k
         outputs[setting] = check_forward(cp, q, k, v, False)
     (o1, l1), (o0, l0) = outputs.values()
     assert float(cp.abs(o1.astype(cp.float32) - o0.astype(cp.float32)).max()) < 1e-2
-    assert float(cp.abs(l1 - l0).max()) < 1e-5
+    assert float(cp.abs(l1 - l0).max()) < 1e-4  # fp32 rounding of another summation order
     assert ran == {"wgmma": 2, "mma_sync": 0}
 
 

@@ -174,8 +174,9 @@ struct Span {
 // c runs its low key blocks first thing in the tail and hands the unnormalised rows over through
 // global memory (hand_over), c + 1 runs the high ones as its last span and folds c's rows in
 // before its epilogue (take_over). Every CTA's share is a tile or more, so a tile is cut at most
-// once; and a CTA only waits for a lower-numbered one, which started no later and hands over
-// before anything else it runs in the tail. Past the end: tile >= p.tiles.
+// once; and a CTA only waits for a lower-numbered one, which started no later (the GPU dispatches
+// a grid's CTAs in index order; CUDA does not promise it) and hands over before anything else it
+// runs in the tail. Past the end: tile >= p.tiles.
 template <bool kCausal, int kBlockM, int kBlockN>
 CF_DEVICE Span span_at(int pos, const FwdParams& p) {
     if (kCausal || pos < p.whole_rounds) {
@@ -670,9 +671,10 @@ CF_DEVICE void take_over(float (&o)[Tl::kORegs], RowStats& stats, int group, con
 
 // The consumer warpgroup's walk. Per span, key blocks go from the last to the first: S of the last
 // block alone, then S of block n while P[n+1] V[n+1] accumulates, then P[lo] V[lo] alone, then the
-// epilogue (or the hand-over of a tile cut between two CTAs, see span_at). With two Q stages the tile boundary is one step like the others: the next tile's first
-// S runs with this tile's last P V, and the epilogue follows while nothing waits on it. The
-// epilogue's TMA stores run on while the next tile starts.
+// epilogue (or the hand-over of a tile cut between two CTAs, see span_at). With two Q stages the
+// tile boundary is one step like the others: the next tile's first S runs with this tile's last
+// P V, and the epilogue follows while nothing waits on it. The epilogue's TMA stores run on while
+// the next tile starts.
 template <class Tl, bool kCausal, bool kBf16>
 CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, int group) {
     constexpr int kBlockN = Tl::kBlockN, kORegs = Tl::kORegs;
