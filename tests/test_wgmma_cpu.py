@@ -38,10 +38,10 @@ def test_short_calls_above_head_dim_64_stage_the_output_beside_v_up_to_128_and_o
                 assert config.staged_output == (d > 64 and seqlen == short), config
                 assert config in wgmma_fwd.all_configs()
                 output = config.block_m * 128 * config.panels if config.staged_output else 0
-                kv = 2 * wgmma_fwd.STAGES * config.block_n * 128 * config.panels
+                kv = 2 * config.stages * config.block_n * 128 * config.panels
                 q = config.q_stages * config.block_m * 128 * config.panels
                 assert config.output_over_v == (config.staged_output and d > 128), config
-                assert config.smem_bytes == q + kv + (0 if config.output_over_v else output) + 128 + 1024
+                assert config.smem_bytes == q + kv + (0 if config.output_over_v else output) + wgmma_fwd.BARRIER_BYTES + 1024
                 assert not config.output_over_v or output <= kv // 2, config
     chosen = []
     monkeypatch.setattr(wgmma_fwd.launcher, "launch_struct_kernel",
@@ -112,8 +112,8 @@ def _problem(d=128, dtype="bfloat16", causal=False, features=None):
 
 
 def _spans(cta: int, ctas: int, tiles: int, key_blocks: int, split) -> list:
-    """The kernel's walk (span_at in flash_fwd_sm90.cu) of one CTA, written out: (tile, lo, hi) per
-    span, in the order the CTA runs them."""
+    """The kernel's walk (span_at in flash_fwd_sm90.cu) of the CTA at place `cta` (TileWalk::place),
+    written out: (tile, lo, hi) per span, in the order the CTA runs them."""
     spans, pos = [], 0
     while True:
         if pos < split.whole_rounds:
@@ -180,9 +180,9 @@ def test_the_tail_is_split_where_the_last_round_leaves_sms_idle():
 def test_a_split_launch_gets_scratch_for_the_rows_handed_over_and_zeroed_flags(monkeypatch, causal, seqlen, setting,
                                                                                split):
     """Long non-causal calls with a partly filled last round launch one CTA per SM with the split
-    walk in the struct, fp32 scratch for one hand-over per CTA and consumer group and zeroed flags;
-    short ones (staged output) only when the variable forces it; causal ones keep the tile counter
-    and no split."""
+    walk in the struct, a zeroed counter for the CTAs' places in the walk, fp32 scratch for one
+    hand-over per CTA and consumer group and zeroed flags; short ones (staged output) only when the
+    variable forces it; causal ones keep the tile counter and no split."""
     monkeypatch.setenv(wgmma_fwd.SPLIT_TAIL_VARIABLE, setting)
     monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 132)
     record = dict(scratch=[], launches=[])
@@ -207,11 +207,11 @@ def test_a_split_launch_gets_scratch_for_the_rows_handed_over_and_zeroed_flags(m
     assert grid == (min(tiles, 132),)
     whole_rounds, units = fields[-3], fields[-2]
     if split:
-        assert record["scratch"] == [((wgmma_fwd.partial_floats(config, 132),), "float32", False),
+        assert record["scratch"] == [((1,), "int32", True), ((wgmma_fwd.partial_floats(config, 132),), "float32", False),
                                      ((132 * config.groups,), "int32", True)]
         assert config.groups == 2 and wgmma_fwd.partial_floats(config, 132) == 132 * 2 * 128 * (64 + 4)
         assert (whole_rounds, units) == (tiles // 132 - 1, (tiles - (tiles // 132 - 1) * 132) * key_blocks)
-        assert fields[7] and fields[8]  # their addresses
+        assert fields[6] and fields[7] and fields[8]  # their addresses
     else:
         assert units == 0 and not fields[7] and not fields[8]
         assert record["scratch"] == ([((1,), "int32", True)] if causal else [])

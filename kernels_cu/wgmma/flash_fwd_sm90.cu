@@ -27,7 +27,8 @@ struct FwdParams {
     TensorMap o_map;                // the output, tiles of {64, 64} (one warpgroup's rows)
     u16* o;                         // the output again, for rows written without the TMA (see store_rows)
     float* lse;                     // (batch, heads, seqlen_q) by the strides below; natural log
-    int* tile_counter;              // causal: zero at launch, counts the tiles taken after the first round
+    int* tile_counter;              // zero at launch: causal, counts the tiles taken after the first round;
+                                    // split tail, the CTAs' places in the walk (walk_place)
     float* partials;                // split tail: each CTA's rows of the tile it hands over (see span_at)
     int* partial_ready;             // split tail: zero at launch, one flag per CTA and consumer group
     i64 o_batch_stride, o_row_stride, o_head_stride;
@@ -41,7 +42,8 @@ struct FwdParams {
 };
 static_assert(sizeof(FwdParams) == 640, "FwdParams: host layout (4 maps, 5 pointers, 5 i64, 11 int, 1 float)");
 
-constexpr int kStages = 2;
+constexpr int kMaxStages = 4;  // K and V stages FwdBarriers has room for
+constexpr int kBarrierBytes = 192;
 
 enum : int { kTurnBarrier0 = 1 };  // named barrier ids kTurnBarrier0 + group: the MMA turns (0 is __syncthreads)
 
@@ -67,6 +69,8 @@ struct FwdTile {
     static constexpr int kPanels = (kHeadDim + 63) / 64;
     static constexpr int kORegs = kPanels * 32;  // O accumulators per thread (64 x kPanels*64 per group)
     static constexpr int kQStages = kPanels == 1 ? 2 : 1;
+    static constexpr int kStages = kPanels == 1 ? 4 : 2;  // K and V blocks in flight
+    static_assert(kStages <= kMaxStages, "FwdBarriers has room for kMaxStages K and V stages");
     static_assert(kQStages <= 2, "FwdBarriers has room for two Q stages");
     // Two-group tiles with two Q stages (short causal calls at head dims up to 64) load the next
     // tile's Q before the current tile's last K rather than after its last V: their consumers
@@ -88,11 +92,11 @@ struct FwdTile {
     // Above head dim 128 the output tile does not fit beside Q, K and V: it is staged over the V
     // stages, which the tile's last P V has read (every warp's, see store_output), and the producer
     // loads the next tile's V once the TMA store has read it (FwdBarriers::o_empty).
-    static constexpr bool kOOverV = kStagedOutput && kV + kStages * kKVBytes + kOBytes + 128 + 1024 > 227 * 1024;
+    static constexpr bool kOOverV = kStagedOutput && kV + kStages * kKVBytes + kOBytes + kBarrierBytes + 1024 > 227 * 1024;
     static_assert(!kOOverV || kOBytes <= kStages * kKVBytes, "the output tile fits over the V stages");
     static constexpr int kO = kOOverV ? kV : kV + kStages * kKVBytes;
     static constexpr int kBarriers = kOOverV ? kV + kStages * kKVBytes : kO + kOBytes;
-    static constexpr int kBytes = kBarriers + 128 + 1024;  // + the alignment slack of the base
+    static constexpr int kBytes = kBarriers + kBarrierBytes + 1024;  // + the alignment slack of the base
     static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: multiple of 16, at most 256");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: multiple of 16, at most 256");
     static_assert(kGroups == 2 || kGroups == 3, "two or three consumer warpgroups");
@@ -107,19 +111,19 @@ struct FwdBarriers {
     CF_DEVICE u32 q_full(int stage) const { return base + 16 + 8 * stage; }  // up to 2 Q stages
     CF_DEVICE u32 q_empty(int stage) const { return base + 32 + 8 * stage; }
     CF_DEVICE u32 k_full(int stage) const { return base + 48 + 8 * stage; }
-    CF_DEVICE u32 k_empty(int stage) const { return base + 48 + 8 * (kStages + stage); }
-    CF_DEVICE u32 v_full(int stage) const { return base + 48 + 8 * (2 * kStages + stage); }
-    CF_DEVICE u32 v_empty(int stage) const { return base + 48 + 8 * (3 * kStages + stage); }
-    CF_DEVICE u32 tile_slot() const { return base + 48 + 8 * 4 * kStages; }
+    CF_DEVICE u32 k_empty(int stage) const { return base + 48 + 8 * (kMaxStages + stage); }
+    CF_DEVICE u32 v_full(int stage) const { return base + 48 + 8 * (2 * kMaxStages + stage); }
+    CF_DEVICE u32 v_empty(int stage) const { return base + 48 + 8 * (3 * kMaxStages + stage); }
+    CF_DEVICE u32 tile_slot() const { return base + 48 + 8 * 4 * kMaxStages; }
     // Output staged over the V stages (FwdTile::kOOverV): one arrival per consumer group once its
     // TMA store has read the tile.
-    CF_DEVICE u32 o_empty() const { return base + 56 + 8 * 4 * kStages; }
+    CF_DEVICE u32 o_empty() const { return base + 56 + 8 * 4 * kMaxStages; }
 };
-static_assert(56 + 8 * 4 * kStages + 8 <= 128, "FwdBarriers: 128 bytes");
+static_assert(56 + 8 * 4 * kMaxStages + 8 <= kBarrierBytes, "FwdBarriers: kBarrierBytes");
 
 // Position in a ring of kRing buffers: one counter of the buffers used so far (a register saved
 // against a separate stage and phase); the mbarrier phase parity flips at each wrap.
-template <int kRing = kStages>
+template <int kRing>
 struct PipeState {
     u32 count = 0;
     CF_DEVICE int stage() const { return count % kRing; }
@@ -174,19 +178,19 @@ struct Span {
 // c runs its low key blocks first thing in the tail and hands the unnormalised rows over through
 // global memory (hand_over), c + 1 runs the high ones as its last span and folds c's rows in
 // before its epilogue (take_over). Every CTA's share is a tile or more, so a tile is cut at most
-// once; and a CTA only waits for a lower-numbered one, which started no later (the GPU dispatches
-// a grid's CTAs in index order; CUDA does not promise it) and hands over before anything else it
+// once; and a CTA only waits for the one before it in the walk, which is running (c is a CTA's
+// place, walk_place: the order in which the CTAs started) and hands over before anything else it
 // runs in the tail. Past the end: tile >= p.tiles.
 template <bool kCausal, int kBlockM, int kBlockN>
-CF_DEVICE Span span_at(int pos, const FwdParams& p) {
+CF_DEVICE Span span_at(int pos, int place, const FwdParams& p) {
     if (kCausal || pos < p.whole_rounds) {
-        const int tile = kCausal ? pos : blockIdx.x + pos * gridDim.x;
+        const int tile = kCausal ? pos : place + pos * gridDim.x;
         const int n = tile < p.tiles ? key_blocks<kCausal, kBlockM, kBlockN>(tile_at<kCausal>(tile, p).m_block, p) : 0;
         return {tile, 0, n};
     }
     // The host keeps split_units * gridDim.x below 2^31.
     const int n = key_blocks<false, kBlockM, kBlockN>(0, p);
-    const int begin = blockIdx.x * p.split_units / gridDim.x, end = (blockIdx.x + 1) * p.split_units / gridDim.x;
+    const int begin = place * p.split_units / gridDim.x, end = (place + 1) * p.split_units / gridDim.x;
     const int t = (end - 1) / n - (pos - p.whole_rounds);
     if (end <= begin || t < begin / n) return {p.tiles, 0, 0};
     return {p.whole_rounds * (int)gridDim.x + t, max(begin - t * n, 0), min(end - t * n, n)};
@@ -201,6 +205,17 @@ template <bool kCausal>
 struct TileWalk {
     int pos = kCausal ? (int)blockIdx.x : 0;
     u32 phase = 0;
+
+    // Non-causal: the CTA's place in the static walk, c of span_at. With a split tail a CTA waits
+    // for the one before it, so the places follow the order in which the CTAs started: a ticket
+    // from a global counter taken first thing (take_place), which the GPU's dispatch in index order
+    // makes the same as blockIdx.x in practice, but CUDA does not promise that order, and a CTA
+    // not yet started (the GPU shared with other work) must never be waited for. Read from shared
+    // memory at each span rather than held in a register through the key loop.
+    static CF_DEVICE int place(const FwdBarriers& bars) { return kCausal ? 0 : ld_shared_volatile(bars.tile_slot()); }
+    static CF_DEVICE void take_place(const FwdBarriers& bars, const FwdParams& p) {
+        if (!kCausal) st_shared_volatile(bars.tile_slot(), p.split_units > 0 ? atomicAdd(p.tile_counter, 1) : (int)blockIdx.x);
+    }
 
     // Producer: the position after this one.
     CF_DEVICE int reserve_next(const FwdParams& p) const {
@@ -241,8 +256,8 @@ CF_DEVICE bool block_needs_mask(int n_block, int m_block, const FwdParams& p) {
 // One K or V block into its pipeline stage: wait until the consumers released the stage, announce
 // the bytes, one TMA box per 64-column panel. `is_v` picks the V ring (tiles and barriers).
 template <class Tl, bool kIsV>
-CF_DEVICE void load_kv_block(u32 smem, const TensorMap* map, const FwdBarriers& bars, PipeState<>& st, int n_block,
-                             int kv_head, int batch) {
+CF_DEVICE void load_kv_block(u32 smem, const TensorMap* map, const FwdBarriers& bars, PipeState<Tl::kStages>& st,
+                             int n_block, int kv_head, int batch) {
     const u32 full = kIsV ? bars.v_full(st.stage()) : bars.k_full(st.stage());
     mbarrier_wait(kIsV ? bars.v_empty(st.stage()) : bars.k_empty(st.stage()), st.phase() ^ 1);
     mbarrier_arrive_expect_bytes(full, Tl::kKVBytes);
@@ -280,7 +295,7 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
     tma_prefetch_map(&p.q_map);
     tma_prefetch_map(&p.k_map);
     tma_prefetch_map(&p.v_map);
-    PipeState<> k_state, v_state;
+    PipeState<Tl::kStages> k_state, v_state;
     PipeState<Tl::kQStages> q_state;
     bool q_loaded = false;  // the current tile's Q went out during the tile before
     TileWalk<kCausal> walk;
@@ -288,7 +303,7 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
     // The span after this one, and its Q (FwdTile::kEarlyQ only).
     auto reserve_next_span = [&]() {
         next = walk.reserve_next(p);
-        const Span s = span_at<kCausal, Tl::kBlockM, Tl::kBlockN>(next, p);
+        const Span s = span_at<kCausal, Tl::kBlockM, Tl::kBlockN>(next, walk.place(bars), p);
         if (s.tile < p.tiles && s.hi > s.lo) {
             load_q_tile<Tl>(smem, p, bars, q_state, tile_at<kCausal>(s.tile, p));
             q_loaded = true;
@@ -296,7 +311,7 @@ CF_DEVICE void produce(const FwdParams& p, u32 smem, const FwdBarriers& bars) {
     };
     for (;;) {
         walk.publish(bars);
-        const Span span = span_at<kCausal, Tl::kBlockM, Tl::kBlockN>(walk.pos, p);
+        const Span span = span_at<kCausal, Tl::kBlockM, Tl::kBlockN>(walk.pos, walk.place(bars), p);
         if (span.tile >= p.tiles) break;
         const Tile tile = tile_at<kCausal>(span.tile, p);
         if (span.hi <= span.lo) {  // no key to attend to: the consumers write the empty rows alone
@@ -508,8 +523,8 @@ CF_DEVICE int span_role(const ConsumerTile& t, const FwdParams& p) {
 }
 
 template <class Tl, bool kCausal>
-CF_DEVICE ConsumerTile consumer_tile(int pos, const FwdParams& p) {
-    const Span span = span_at<kCausal, Tl::kBlockM, Tl::kBlockN>(pos, p);
+CF_DEVICE ConsumerTile consumer_tile(int pos, const FwdBarriers& bars, const FwdParams& p) {
+    const Span span = span_at<kCausal, Tl::kBlockM, Tl::kBlockN>(pos, TileWalk<kCausal>::place(bars), p);
     ConsumerTile c;
     c.valid = span.tile < p.tiles;
     c.index = c.valid ? span.tile : 0;
@@ -582,7 +597,7 @@ CF_DEVICE void output_barrier(int group) { named_barrier_sync<128>(kOutputBarrie
 template <class Tl, bool kBf16>
 CF_DEVICE void store_output(const float (&o)[Tl::kORegs], const RowStats& stats, const Tile& tile,
                             const int (&row)[2], int group, int warp, int lane, u32 o_panels,
-                            const PipeState<>& v_state, const FwdBarriers& bars, const FwdParams& p,
+                            const PipeState<Tl::kStages>& v_state, const FwdBarriers& bars, const FwdParams& p,
                             bool& store_pending) {
     constexpr int kPanelBytes = 64 * 128;
     float inv[2];
@@ -590,7 +605,7 @@ CF_DEVICE void store_output(const float (&o)[Tl::kORegs], const RowStats& stats,
     const bool issuer = threadIdx.x % 128 == 0;
     if (Tl::kOOverV) {
         const u32 last = v_state.count - 1;  // the tile's last P V read this V stage
-        mbarrier_wait(bars.v_empty(last % kStages), (last / kStages) & 1);
+        mbarrier_wait(bars.v_empty(last % Tl::kStages), (last / Tl::kStages) & 1);
     } else {
         if (issuer && store_pending) bulk_wait_read<0>();
         output_barrier(group);
@@ -616,10 +631,11 @@ CF_DEVICE void store_output(const float (&o)[Tl::kORegs], const RowStats& stats,
 // ---- consumer: tiles cut between two CTAs (span_at) ----------------------------------------------
 // Both CTAs hold the tile's rows in the same accumulator layout, so each thread hands over its own
 // registers to the same thread of the other CTA: float4 columns of 128 threads, then the row
-// statistics (maximum and this thread's part of the sum, per row), one slot per CTA and group.
+// statistics (maximum and this thread's part of the sum, per row), one slot per place in the walk
+// (TileWalk::place) and group.
 template <class Tl>
-CF_DEVICE float4* partial_slot(const FwdParams& p, int cta, int group) {
-    return reinterpret_cast<float4*>(p.partials) + (i64)(cta * Tl::kGroups + group) * (Tl::kORegs / 4 + 1) * 128 +
+CF_DEVICE float4* partial_slot(const FwdParams& p, int place, int group) {
+    return reinterpret_cast<float4*>(p.partials) + (i64)(place * Tl::kGroups + group) * (Tl::kORegs / 4 + 1) * 128 +
            threadIdx.x % 128;
 }
 
@@ -629,14 +645,15 @@ CF_DEVICE float4* partial_slot(const FwdParams& p, int cta, int group) {
 template <class Tl>
 CF_DEVICE void hand_over(const float (&o)[Tl::kORegs], const RowStats& stats, int group, const FwdBarriers& bars,
                          const FwdParams& p) {
-    float4* slot = partial_slot<Tl>(p, blockIdx.x, group);
+    const int place = TileWalk<false>::place(bars);
+    float4* slot = partial_slot<Tl>(p, place, group);
 #pragma unroll
     for (int j = 0; j < Tl::kORegs / 4; ++j)
         __stcg(slot + j * 128, make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]));
     __stcg(slot + Tl::kORegs / 4 * 128, make_float4(stats.max[0], stats.max[1], stats.sum[0], stats.sum[1]));
     output_barrier(group);
     if (threadIdx.x % 128 == 0) {
-        add_release_gpu(p.partial_ready + blockIdx.x * Tl::kGroups + group, 1);
+        add_release_gpu(p.partial_ready + place * Tl::kGroups + group, 1);
         if (Tl::kOOverV) mbarrier_arrive(bars.o_empty());  // nothing staged over V for this span
     }
 }
@@ -644,10 +661,12 @@ CF_DEVICE void hand_over(const float (&o)[Tl::kORegs], const RowStats& stats, in
 // The previous CTA's rows of this tile's low key blocks folded into this group's (the high ones):
 // both brought to the larger row maximum, as the online softmax does between key blocks.
 template <class Tl>
-CF_DEVICE void take_over(float (&o)[Tl::kORegs], RowStats& stats, int group, const FwdParams& p) {
-    if (threadIdx.x % 128 == 0) wait_for_turn(p.partial_ready + (blockIdx.x - 1) * Tl::kGroups + group, 1);
+CF_DEVICE void take_over(float (&o)[Tl::kORegs], RowStats& stats, int group, const FwdBarriers& bars,
+                         const FwdParams& p) {
+    const int before = TileWalk<false>::place(bars) - 1;
+    if (threadIdx.x % 128 == 0) wait_for_turn(p.partial_ready + before * Tl::kGroups + group, 1);
     output_barrier(group);  // the flag acquired by one thread, then read by all
-    const float4* slot = partial_slot<Tl>(p, blockIdx.x - 1, group);
+    const float4* slot = partial_slot<Tl>(p, before, group);
     const float4 theirs = __ldcg(slot + Tl::kORegs / 4 * 128);
     const float their_max[2] = {theirs.x, theirs.y}, their_sum[2] = {theirs.z, theirs.w};
     float keep[2], add[2];
@@ -681,12 +700,12 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const u32 k_tiles = smem + Tl::kK, v_tiles = smem + Tl::kV;
     if (group == Tl::kGroups - 1) pass_turn<Tl::kGroups>(group);  // group 0 issues first
-    PipeState<> k_state, v_state;
+    PipeState<Tl::kStages> k_state, v_state;
     PipeState<Tl::kQStages> q_state;
     TileWalk<kCausal> walk;
     walk.pos = -1;
     walk.receive(bars);
-    ConsumerTile cur = consumer_tile<Tl, kCausal>(walk.pos, p);
+    ConsumerTile cur = consumer_tile<Tl, kCausal>(walk.pos, bars, p);
     float o[kORegs], s[kBlockN / 2], scale[2];
     u32 pa[kBlockN / 16][4];
     RowStats stats;
@@ -707,7 +726,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
             hand_over<Tl>(o, stats, group, bars, p);
             return;
         }
-        if (role == kTakeOver) take_over<Tl>(o, stats, group, p);
+        if (role == kTakeOver) take_over<Tl>(o, stats, group, bars, p);
         const u32 o_panels = smem + Tl::kO + group * Tl::kPanels * 64 * 128;
         const Tile tile = tile_at<kCausal>(t.index, p);
         const ThreadRows<Tl::kBlockM> rows(t.m_block, group, warp, lane);
@@ -779,7 +798,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
             pack_probabilities<kBlockN, kBf16>(s, pa);
         }
         walk.receive(bars);
-        const ConsumerTile next = consumer_tile<Tl, kCausal>(walk.pos, p);
+        const ConsumerTile next = consumer_tile<Tl, kCausal>(walk.pos, bars, p);
         // (A tile cut between two CTAs takes the other way: once per CTA, and the registers that
         // its hand-over needs beside the next tile's scores would spill.)
         if (Tl::kQStages == 2 && cur.has_keys() && next.valid && next.has_keys() &&
@@ -840,13 +859,14 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim, kBlockN, kGroups, kStagedOut
             mbarrier_init(bars.q_full(s), 1);
             mbarrier_init(bars.q_empty(s), Tl::kConsumerWarps);
         }
-        for (int s = 0; s < kStages; ++s) {
+        for (int s = 0; s < Tl::kStages; ++s) {
             mbarrier_init(bars.k_full(s), 1);
             mbarrier_init(bars.k_empty(s), Tl::kConsumerWarps);
             mbarrier_init(bars.v_full(s), 1);
             mbarrier_init(bars.v_empty(s), Tl::kConsumerWarps);
         }
         fence_barrier_init();
+        TileWalk<kCausal>::take_place(bars, p);
     }
     __syncthreads();
     const int group = threadIdx.x / 128;

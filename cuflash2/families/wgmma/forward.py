@@ -23,7 +23,7 @@ from ...runtime.switches import switch_on, switch_setting
 SOURCE = "wgmma/flash_fwd_sm90.cu"
 ARCH = 90  # compute capability the sm_90a code runs on (9.0 exactly)
 GROUP_ROWS = 64  # query rows per consumer warpgroup
-STAGES = 2
+BARRIER_BYTES = 192  # the mbarriers and the tile slot at the end of shared memory (FwdBarriers)
 MAX_HEAD_DIM = 256
 SMEM_LIMIT = 227 * 1024
 #: CUFLASH2_HANG_CHECK=1 runs the debug build, whose barrier waits trap after 4 s instead of hanging.
@@ -70,19 +70,25 @@ class WgmmaFwdConfig:
         return 2 if self.panels == 1 else 1
 
     @property
+    def stages(self) -> int:
+        """K and V blocks in flight (FwdTile::kStages)."""
+        return 4 if self.panels == 1 else 2
+
+    @property
     def output_over_v(self) -> bool:
         """Whether the output tile is staged over the V stages (FwdTile::kOOverV): no room beside them."""
-        return self.staged_output and self._bytes_before_output() + self._output_bytes() + 128 + 1024 > SMEM_LIMIT
+        return (self.staged_output
+                and self._bytes_before_output() + self._output_bytes() + BARRIER_BYTES + 1024 > SMEM_LIMIT)
 
     @property
     def smem_bytes(self) -> int:
-        """Q tiles + STAGES K and V blocks (128-byte rows per 64 columns) + the output tile unless it
-        lies over V + barriers + alignment slack."""
+        """Q tiles + `stages` K and V blocks (128-byte rows per 64 columns) + the output tile unless
+        it lies over V + barriers + alignment slack."""
         output = 0 if self.output_over_v else self._output_bytes()
-        return self._bytes_before_output() + output + 128 + 1024
+        return self._bytes_before_output() + output + BARRIER_BYTES + 1024
 
     def _bytes_before_output(self) -> int:
-        return (self.q_stages * self.block_m + 2 * STAGES * self.block_n) * 128 * self.panels
+        return (self.q_stages * self.block_m + 2 * self.stages * self.block_n) * 128 * self.panels
 
     def _output_bytes(self) -> int:
         """The output tile the epilogue stages for its TMA stores (none when the output goes from
@@ -230,8 +236,8 @@ def partial_floats(config: WgmmaFwdConfig, ctas: int) -> int:
 def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig, split: TailSplit):
     """build(addresses) -> the FwdParams fields, in PARAMS order, of a call on tensors laid out as
     the described q, k, v, out, lse placed at `addresses` (theirs, then the tile counter's: a zeroed
-    int32 for causal calls, else None; then those of a split tail's partial rows and zeroed flags,
-    else None). Everything but the addresses is worked out once here."""
+    int32 for causal calls and split tails, else None; then those of a split tail's partial rows and
+    zeroed flags, else None). Everything but the addresses is worked out once here."""
     b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.head_dim
     m_blocks = math.ceil(sq / config.block_m)
     scalars = (out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
@@ -287,7 +293,10 @@ def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream
     grid, split = launch_plan(problem, config, sm_count(device_id), split_setting)
     if grid == 0:
         return
-    counter, counter_info = launcher.scratch((1,), np.int32, zero=True) if problem.causal else (None, None)
+    # Causal: the tiles taken after the first round. Split tail: the CTAs' places in the walk, in
+    # the order they started (a CTA waits for the one before it).
+    counter, counter_info = (launcher.scratch((1,), np.int32, zero=True) if problem.causal or split.units
+                             else (None, None))
     partials, partials_info = launcher.scratch((partial_floats(config, grid),)) if split.units else (None, None)
     flags, flags_info = (launcher.scratch((grid * config.groups,), np.int32, zero=True) if split.units
                          else (None, None))
