@@ -69,7 +69,12 @@ struct FwdTile {
     static constexpr int kPanels = (kHeadDim + 63) / 64;
     static constexpr int kORegs = kPanels * 32;  // O accumulators per thread (64 x kPanels*64 per group)
     static constexpr int kQStages = kPanels == 1 ? 2 : 1;
-    static constexpr int kStages = kPanels == 1 ? 4 : 2;  // K and V blocks in flight
+    // K and V blocks in flight: four up to head dim 64, where a block is 16 KB and the producer can
+    // run further ahead of tiles of a few key blocks (H200, kernel A/B against two: +1-4% at
+    // 512-16k, causal 1k -1.7%; long calls run at the same power-limited clock); two above, where
+    // shared memory has room for no more beside the staged output (a third at d128 causal without
+    // it measured -3..0%).
+    static constexpr int kStages = kPanels == 1 ? 4 : 2;
     static_assert(kStages <= kMaxStages, "FwdBarriers has room for kMaxStages K and V stages");
     static_assert(kQStages <= 2, "FwdBarriers has room for two Q stages");
     // Two-group tiles with two Q stages (short causal calls at head dims up to 64) load the next

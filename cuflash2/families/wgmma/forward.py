@@ -71,7 +71,7 @@ class WgmmaFwdConfig:
 
     @property
     def stages(self) -> int:
-        """K and V blocks in flight (FwdTile::kStages)."""
+        """K and V blocks in flight (FwdTile::kStages): four up to head dim 64, else two."""
         return 4 if self.panels == 1 else 2
 
     @property
