@@ -219,7 +219,8 @@ struct TileWalk {
     // memory at each span rather than held in a register through the key loop.
     static CF_DEVICE int place(const FwdBarriers& bars) { return kCausal ? 0 : ld_shared_volatile(bars.tile_slot()); }
     static CF_DEVICE void take_place(const FwdBarriers& bars, const FwdParams& p) {
-        if (!kCausal) st_shared_volatile(bars.tile_slot(), p.split_units > 0 ? atomicAdd(p.tile_counter, 1) : (int)blockIdx.x);
+        if (!kCausal)
+            st_shared_volatile(bars.tile_slot(), p.split_units > 0 ? atomicAdd(p.tile_counter, 1) : (int)blockIdx.x);
     }
 
     // Producer: the position after this one.
