@@ -41,7 +41,8 @@ def test_short_calls_above_head_dim_64_stage_the_output_beside_v_up_to_128_and_o
                 kv = 2 * config.stages * config.block_n * 128 * config.panels
                 q = config.q_stages * config.block_m * 128 * config.panels
                 assert config.output_over_v == (config.staged_output and d > 128), config
-                assert config.smem_bytes == q + kv + (0 if config.output_over_v else output) + wgmma_fwd.BARRIER_BYTES + 1024
+                output_here = 0 if config.output_over_v else output
+                assert config.smem_bytes == q + kv + output_here + wgmma_fwd.BARRIER_BYTES + 1024
                 assert not config.output_over_v or output <= kv // 2, config
     chosen = []
     monkeypatch.setattr(wgmma_fwd.launcher, "launch_struct_kernel",
@@ -207,7 +208,8 @@ def test_a_split_launch_gets_scratch_for_the_rows_handed_over_and_zeroed_flags(m
     assert grid == (min(tiles, 132),)
     whole_rounds, units = fields[-3], fields[-2]
     if split:
-        assert record["scratch"] == [((1,), "int32", True), ((wgmma_fwd.partial_floats(config, 132),), "float32", False),
+        assert record["scratch"] == [((1,), "int32", True),  # the places in the walk
+                                     ((wgmma_fwd.partial_floats(config, 132),), "float32", False),
                                      ((132 * config.groups,), "int32", True)]
         assert config.groups == 2 and wgmma_fwd.partial_floats(config, 132) == 132 * 2 * 128 * (64 + 4)
         assert (whole_rounds, units) == (tiles // 132 - 1, (tiles - (tiles // 132 - 1) * 132) * key_blocks)

@@ -28,7 +28,7 @@ struct FwdParams {
     u16* o;                         // the output again, for rows written without the TMA (see store_rows)
     float* lse;                     // (batch, heads, seqlen_q) by the strides below; natural log
     int* tile_counter;              // zero at launch: causal, counts the tiles taken after the first round;
-                                    // split tail, the CTAs' places in the walk (walk_place)
+                                    // split tail, the CTAs' places in the walk (TileWalk::place)
     float* partials;                // split tail: each CTA's rows of the tile it hands over (see span_at)
     int* partial_ready;             // split tail: zero at launch, one flag per CTA and consumer group
     i64 o_batch_stride, o_row_stride, o_head_stride;
@@ -43,7 +43,7 @@ struct FwdParams {
 static_assert(sizeof(FwdParams) == 640, "FwdParams: host layout (4 maps, 5 pointers, 5 i64, 11 int, 1 float)");
 
 constexpr int kMaxStages = 4;  // K and V stages FwdBarriers has room for
-constexpr int kBarrierBytes = 192;
+constexpr int kBarrierBytes = 192;  // FwdBarriers' block at the end of shared memory
 
 enum : int { kTurnBarrier0 = 1 };  // named barrier ids kTurnBarrier0 + group: the MMA turns (0 is __syncthreads)
 
@@ -97,7 +97,8 @@ struct FwdTile {
     // Above head dim 128 the output tile does not fit beside Q, K and V: it is staged over the V
     // stages, which the tile's last P V has read (every warp's, see store_output), and the producer
     // loads the next tile's V once the TMA store has read it (FwdBarriers::o_empty).
-    static constexpr bool kOOverV = kStagedOutput && kV + kStages * kKVBytes + kOBytes + kBarrierBytes + 1024 > 227 * 1024;
+    static constexpr bool kOOverV =
+        kStagedOutput && kV + kStages * kKVBytes + kOBytes + kBarrierBytes + 1024 > 227 * 1024;
     static_assert(!kOOverV || kOBytes <= kStages * kKVBytes, "the output tile fits over the V stages");
     static constexpr int kO = kOOverV ? kV : kV + kStages * kKVBytes;
     static constexpr int kBarriers = kOOverV ? kV + kStages * kKVBytes : kO + kOBytes;
@@ -184,8 +185,8 @@ struct Span {
 // global memory (hand_over), c + 1 runs the high ones as its last span and folds c's rows in
 // before its epilogue (take_over). Every CTA's share is a tile or more, so a tile is cut at most
 // once; and a CTA only waits for the one before it in the walk, which is running (c is a CTA's
-// place, walk_place: the order in which the CTAs started) and hands over before anything else it
-// runs in the tail. Past the end: tile >= p.tiles.
+// place, TileWalk::place: the order in which the CTAs started) and hands over before anything else
+// it runs in the tail. Past the end: tile >= p.tiles.
 template <bool kCausal, int kBlockM, int kBlockN>
 CF_DEVICE Span span_at(int pos, int place, const FwdParams& p) {
     if (kCausal || pos < p.whole_rounds) {
