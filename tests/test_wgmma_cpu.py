@@ -418,6 +418,44 @@ def test_a_replay_rebuilds_the_parameter_struct_for_new_addresses(monkeypatch):
     assert len(built) == 4 and [int.from_bytes(m[:8], "little") for m in sent[2][4][:4]] == moved[:4]
 
 
+def test_a_replayed_split_tail_starts_from_zeroed_places_and_flags(monkeypatch):
+    """A split tail's CTAs take their places from a counter and wait on flags raised by the CTA
+    before them: a replay must clear both before every launch (a counter left at the last call's
+    count would place every CTA past the walk, and a stale flag would let a CTA read rows not yet
+    handed over), while the partial rows need no clearing."""
+    import types
+
+    from cuflash2.core import replay
+    from cuflash2.runtime import launcher
+
+    monkeypatch.setenv(wgmma_fwd.SPLIT_TAIL_VARIABLE, "")
+    monkeypatch.setattr(tensor_maps, "encode_tiled", lambda *args, **kwargs: bytes(128))
+    monkeypatch.setattr(replay, "get_kernel", lambda config, device_id: types.SimpleNamespace(
+        kernel=types.SimpleNamespace(ptr=1)))
+    monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 132)
+    sent, memsets = [], []
+    monkeypatch.setattr(launcher, "launch_struct", lambda function, grid, threads, smem, stream, packer, fields:
+                        sent.append(fields))
+    monkeypatch.setattr(launcher, "memset_async", lambda address, nbytes, stream: memsets.append((address, nbytes)))
+    b, s, h, d = 8, 2048, 16, 128  # 2048 tiles on 132 SMs: 15.5 rounds, the tail split
+    problem = AttentionProblem(AttentionShape(b, s, s, h, h, d, "bfloat16", 0.1), False)
+    tensors = [contiguous_info((b, s, h, d), "bfloat16", 2, "cuda:0") for _ in range(4)]
+    tensors.append(contiguous_info((b, h, s), "float32", 4, "cuda:0"))
+    recording = replay.record(lambda q, k, v, o, l: wgmma_fwd.forward(problem, q, k, v, o, l, 0, None), tensors, 0)
+    config = wgmma_fwd.forward_config(d, "bfloat16", False, seqlen=s)
+    partial_bytes = wgmma_fwd.partial_floats(config, 132) * 4
+    assert recording.regions == [(4, True), (partial_bytes, False), (132 * config.groups * 4, True)]
+    addresses = [(i + 1) << 32 for i in range(5)]
+    for _ in range(2):
+        recording.run(addresses, 77, scratch_base=0xABC000)
+    offsets = recording.offsets
+    cleared = [(0xABC000 + offsets[0], 4), (0xABC000 + offsets[2], 132 * config.groups * 4)]
+    assert sorted(memsets) == sorted(cleared * 2)  # before each of the two launches
+    counter, partials, flags = sent[-1][6:9]
+    assert (counter, partials, flags) == tuple(0xABC000 + o for o in offsets)
+    assert sent[-1][-2] > 0  # split_units: the tail is split
+
+
 def test_replays_are_dropped_when_the_family_variable_changes(monkeypatch):
     """A replay holds the kernels chosen when it was recorded: setting CUFLASH2_FAMILY to compare
     the families must not replay the other family's launches."""
