@@ -373,20 +373,15 @@ def test_the_hang_check_build_compiles():
         assert report.registers > 0
 
 
-def test_a_replay_rebuilds_the_parameter_struct_for_new_addresses(monkeypatch):
-    """The tensor maps hold their tensors' addresses: a recorded wgmma forward keeps how to build
-    its parameter struct, and a replay builds it for the addresses of that call (scratch included)."""
+def _stub_replayed_launches(monkeypatch) -> tuple[list, list]:
+    """A recorded wgmma forward replayed without a GPU: the kernel lookup, struct launches and
+    memsets stubbed on 132 SMs. Returns the lists that collect (grid, threads, smem, stream, fields)
+    per launch and (address, bytes) per memset."""
     import types
-
-    import numpy as np
 
     from cuflash2.core import replay
     from cuflash2.runtime import launcher
 
-    def fake_map(dtype, data_ptr, sizes, strides_bytes, box, swizzle=3):
-        return data_ptr.to_bytes(8, "little") + bytes(120)
-
-    monkeypatch.setattr(tensor_maps, "encode_tiled", fake_map)
     monkeypatch.setattr(replay, "get_kernel", lambda config, device_id: types.SimpleNamespace(
         kernel=types.SimpleNamespace(ptr=1)))
     monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 132)
@@ -394,6 +389,21 @@ def test_a_replay_rebuilds_the_parameter_struct_for_new_addresses(monkeypatch):
     monkeypatch.setattr(launcher, "launch_struct", lambda function, grid, threads, smem, stream, packer, fields:
                         sent.append((grid, threads, smem, stream, fields)))
     monkeypatch.setattr(launcher, "memset_async", lambda address, nbytes, stream: memsets.append((address, nbytes)))
+    return sent, memsets
+
+
+def test_a_replay_rebuilds_the_parameter_struct_for_new_addresses(monkeypatch):
+    """The tensor maps hold their tensors' addresses: a recorded wgmma forward keeps how to build
+    its parameter struct, and a replay builds it for the addresses of that call (scratch included)."""
+    import numpy as np
+
+    from cuflash2.core import replay
+
+    def fake_map(dtype, data_ptr, sizes, strides_bytes, box, swizzle=3):
+        return data_ptr.to_bytes(8, "little") + bytes(120)
+
+    monkeypatch.setattr(tensor_maps, "encode_tiled", fake_map)
+    sent, memsets = _stub_replayed_launches(monkeypatch)
     problem = _problem(causal=True)
     tensors = [contiguous_info((2, 256, 4, 128), "bfloat16", 2, "cuda:0") for _ in range(4)]
     tensors.append(contiguous_info((2, 4, 256), "float32", 4, "cuda:0"))
@@ -423,20 +433,11 @@ def test_a_replayed_split_tail_starts_from_zeroed_places_and_flags(monkeypatch):
     before them: a replay must clear both before every launch (a counter left at the last call's
     count would place every CTA past the walk, and a stale flag would let a CTA read rows not yet
     handed over), while the partial rows need no clearing."""
-    import types
-
     from cuflash2.core import replay
-    from cuflash2.runtime import launcher
 
     monkeypatch.setenv(wgmma_fwd.SPLIT_TAIL_VARIABLE, "")
     monkeypatch.setattr(tensor_maps, "encode_tiled", lambda *args, **kwargs: bytes(128))
-    monkeypatch.setattr(replay, "get_kernel", lambda config, device_id: types.SimpleNamespace(
-        kernel=types.SimpleNamespace(ptr=1)))
-    monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 132)
-    sent, memsets = [], []
-    monkeypatch.setattr(launcher, "launch_struct", lambda function, grid, threads, smem, stream, packer, fields:
-                        sent.append(fields))
-    monkeypatch.setattr(launcher, "memset_async", lambda address, nbytes, stream: memsets.append((address, nbytes)))
+    sent, memsets = _stub_replayed_launches(monkeypatch)
     b, s, h, d = 8, 2048, 16, 128  # 2048 tiles on 132 SMs: 15.5 rounds, the tail split
     problem = AttentionProblem(AttentionShape(b, s, s, h, h, d, "bfloat16", 0.1), False)
     tensors = [contiguous_info((b, s, h, d), "bfloat16", 2, "cuda:0") for _ in range(4)]
@@ -451,9 +452,10 @@ def test_a_replayed_split_tail_starts_from_zeroed_places_and_flags(monkeypatch):
     offsets = recording.offsets
     cleared = [(0xABC000 + offsets[0], 4), (0xABC000 + offsets[2], 132 * config.groups * 4)]
     assert sorted(memsets) == sorted(cleared * 2)  # before each of the two launches
-    counter, partials, flags = sent[-1][6:9]
+    fields = sent[-1][4]
+    counter, partials, flags = fields[6:9]
     assert (counter, partials, flags) == tuple(0xABC000 + o for o in offsets)
-    assert sent[-1][-2] > 0  # split_units: the tail is split
+    assert fields[-2] > 0  # split_units: the tail is split
 
 
 def test_replays_are_dropped_when_the_family_variable_changes(monkeypatch):
