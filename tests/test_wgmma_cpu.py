@@ -10,7 +10,7 @@ import pytest
 from cuflash2.families.wgmma import backward as wgmma_bwd
 from cuflash2.families.wgmma import forward as wgmma_fwd
 from cuflash2.problem.features import AttentionProblem
-from cuflash2.runtime import compiler, tensor_maps
+from cuflash2.runtime import compiler, fast_div, tensor_maps
 from cuflash2.runtime.tensors import TensorInfo
 from cuflash2.problem.tensors import AttentionShape, contiguous_info
 
@@ -97,8 +97,80 @@ def test_short_causal_calls_at_small_head_dims_take_two_warpgroups(monkeypatch):
         assert chosen[-1].groups == groups, (seqlen_q, seqlen_k)
 
 
-def test_params_struct_is_the_kernels_640_bytes():
-    assert wgmma_fwd.PARAMS.size == 640  # flash_fwd_sm90.cu static_asserts sizeof(FwdParams) == 640
+def test_params_struct_is_the_kernels_704_bytes():
+    assert wgmma_fwd.PARAMS.size == 704  # flash_fwd_sm90.cu static_asserts sizeof(FwdParams) == 704
+
+
+@pytest.mark.parametrize("divisor", [1, 2, 3, 5, 6, 7, 12, 31, 64, 100, 132, 641, 1000, 4097, 65535, 65536, 99991,
+                                     2 ** 20 + 7, 2 ** 30, 2 ** 30 + 1, 2 ** 31 - 1])
+def test_fast_divisor_divides_every_non_negative_int32_exactly(divisor):
+    """FastDiv::div (common/fast_div.cuh), in Python: exact for 0 <= n < 2^31, at the multiples of
+    the divisor and next to them, at the top of the range and at random."""
+    constants = fast_div.fast_divisor(divisor)
+    assert 0 <= constants[0] < 2 ** 32 and constants[2] == divisor
+    fast_div.LAYOUT.pack(*constants)  # fits the kernel's struct
+    rng = np.random.default_rng(divisor)
+    near_multiples = [k * divisor + r for k in (0, 1, 2, 7, 1000, (2 ** 31 - 1) // divisor) for r in (-1, 0, 1)]
+    for n in near_multiples + [2 ** 31 - 1, 2 ** 31 - 2] + rng.integers(0, 2 ** 31, 2000).tolist():
+        if 0 <= n < 2 ** 31:
+            assert fast_div.divide(n, constants) == n // divisor, n
+
+
+def test_fast_divisor_rejects_a_divisor_outside_int32():
+    for bad in (0, -3, 2 ** 31):
+        with pytest.raises(ValueError, match="divisor"):
+            fast_div.fast_divisor(bad)
+
+
+def _tile_at(t: int, fields: tuple, causal: bool) -> tuple:
+    """The kernel's tile_at (flash_fwd_sm90.cu) on the packed FwdParams fields: (m_block, head, batch)."""
+    nheads, batch, m_blocks, section_pairs = fields[17], fields[19], fields[20], fields[22]
+    m_blocks_div, heads_div, section_tiles_div, pairs_div, last_pairs_div = (
+        fields[26 + 3 * i: 29 + 3 * i] for i in range(5))
+
+    def divmod_fast(n, divisor):
+        quotient = fast_div.divide(n, divisor)
+        return quotient, n - quotient * divisor[2]
+
+    if not causal:
+        pair, m_block = divmod_fast(t, m_blocks_div)
+    else:
+        section, r = divmod_fast(t, section_tiles_div)
+        first_pair = section * section_pairs
+        last = first_pair + section_pairs > nheads * batch
+        rank, pair = divmod_fast(r, last_pairs_div if last else pairs_div)
+        pair += first_pair
+        m_block = m_blocks - 1 - rank
+    batch_index, head = divmod_fast(pair, heads_div)
+    return m_block, head, batch_index
+
+
+@pytest.mark.parametrize("batch, heads, seqlen, causal", [(2, 4, 256, False), (3, 5, 1000, False), (1, 7, 4096, True),
+                                                         (5, 1, 32768, True), (3, 3, 16384, True), (2, 16, 512, True)])
+def test_the_tile_order_visits_every_tile_once_and_causal_sections_run_longest_first(monkeypatch, batch, heads,
+                                                                                      seqlen, causal):
+    """tile_at with the host's division constants: every (query block, head, batch) exactly once;
+    causal, sections of whole (batch, head) pairs (the last one smaller where they do not divide)
+    with the longest query blocks first inside each."""
+    monkeypatch.setattr(tensor_maps, "encode_tiled", lambda *args, **kwargs: bytes(128))
+    shape = AttentionShape(batch, seqlen, seqlen, heads, heads, 128, "bfloat16", 0.1)
+    config = wgmma_fwd.forward_config(128, "bfloat16", causal, seqlen=seqlen)
+    q = contiguous_info((batch, seqlen, heads, 128), "bfloat16", 2, "cuda:0", 1 << 20)
+    lse = contiguous_info((batch, heads, seqlen), "float32", 4, "cuda:0", 1 << 20)
+    tiles = wgmma_fwd.tile_count(shape, config)
+    build = wgmma_fwd.struct_builder(q, q, q, q, lse, shape, config, wgmma_fwd.TailSplit(1))
+    fields = wgmma_fwd.PARAMS.unpack(wgmma_fwd.PARAMS.pack(*build([1 << 20] * 5 + [0, 0, 0])))
+    order = [_tile_at(t, fields, causal) for t in range(tiles)]
+    m_blocks = -(-seqlen // config.block_m)
+    assert sorted(order) == [(m, h, b) for m in range(m_blocks) for h in range(heads) for b in range(batch)]
+    if causal:
+        pairs = wgmma_fwd.section_pairs(shape)
+        if seqlen == 32768:
+            assert 1 < pairs < batch * heads and batch * heads % pairs  # a smaller last section is covered
+        for start in range(0, tiles, pairs * m_blocks):
+            section = order[start:start + pairs * m_blocks]
+            assert len({(h, b) for _, h, b in section}) == min(pairs, batch * heads - start // m_blocks)
+            assert [m for m, _, _ in section] == sorted((m for m, _, _ in section), reverse=True)
 
 
 def _bshd(b=2, s=256, h=4, d=128, ptr=1 << 20, strides=None):

@@ -17,6 +17,7 @@
 // tiles longest first from a global counter; non-causal ones walk them statically and share the
 // last ones' key blocks out evenly, so that no SM idles through a partly filled last round
 // (span_at).
+#include "common/fast_div.cuh"
 #include "common/quad_rows.cuh"
 #include "wgmma/wgmma_ops.cuh"
 
@@ -39,8 +40,11 @@ struct FwdParams {
     int whole_rounds;               // non-causal: rounds of whole tiles (all of them without a split tail)
     int split_units;                // non-causal: key blocks of the split tail, tiles x blocks (0: none)
     float scale_log2;               // softmax_scale * log2(e)
+    // The divisions of tile_at, by launch constants: query blocks, heads; causal: tiles per L2
+    // section, (batch, head) pairs per section and in the last (possibly smaller) section.
+    FastDiv m_blocks_div, heads_div, section_tiles_div, section_pairs_div, last_pairs_div;
 };
-static_assert(sizeof(FwdParams) == 640, "FwdParams: host layout (4 maps, 5 pointers, 5 i64, 11 int, 1 float)");
+static_assert(sizeof(FwdParams) == 704, "FwdParams: host layout (4 maps, 5 pointers, 5 i64, 11 int, 1 float, 5 FastDiv, padding to 8)");
 
 constexpr int kMaxStages = 4;  // K and V stages FwdBarriers has room for
 constexpr int kBarrierBytes = 192;  // FwdBarriers' block at the end of shared memory
@@ -146,15 +150,21 @@ struct Tile {
 // (batch, head) pairs whose K and V fit in L2, the longest rows first inside each section.
 template <bool kCausal>
 CF_DEVICE Tile tile_at(int t, const FwdParams& p) {
+    Tile tile;
+    int pair;  // batch * nheads + head
     if (!kCausal) {
-        const int rest = t / p.m_blocks;
-        return {t - rest * p.m_blocks, rest % p.nheads, rest / p.nheads};
+        p.m_blocks_div.divmod(t, pair, tile.m_block);
+    } else {
+        int section, r, rank;
+        p.section_tiles_div.divmod(t, section, r);
+        const int first_pair = section * p.section_pairs;
+        const bool last = first_pair + p.section_pairs > p.nheads * p.batch;
+        (last ? p.last_pairs_div : p.section_pairs_div).divmod(r, rank, pair);
+        pair += first_pair;
+        tile.m_block = p.m_blocks - 1 - rank;
     }
-    const int per_section = p.section_pairs * p.m_blocks;
-    const int section = t / per_section, r = t - section * per_section;
-    const int pairs_here = min(p.section_pairs, p.nheads * p.batch - section * p.section_pairs);
-    const int bh = section * p.section_pairs + r % pairs_here;
-    return {p.m_blocks - 1 - r / pairs_here, bh % p.nheads, bh / p.nheads};
+    p.heads_div.divmod(pair, tile.batch, tile.head);
+    return tile;
 }
 
 // Key blocks a query block attends to: [0, key_blocks). Causal masks align to the bottom-right.

@@ -18,6 +18,7 @@ from ...problem.features import AttentionProblem
 from ...problem.tensors import SHORT_DTYPE, SUPPORTED_DTYPES
 from ...runtime import launcher, tensor_maps
 from ...runtime.device import sm_count
+from ...runtime.fast_div import fast_divisor
 from ...runtime.switches import switch_on, switch_setting
 
 SOURCE = "wgmma/flash_fwd_sm90.cu"
@@ -32,8 +33,8 @@ HANG_CHECK_VARIABLE = "CUFLASH2_HANG_CHECK"
 #: split_tail); unset, the launches that leave SMs idle for long enough.
 SPLIT_TAIL_VARIABLE = "CUFLASH2_SPLIT_TAIL"
 # FwdParams (flash_fwd_sm90.cu): 4 maps (q, k, v, out), out, lse, tile counter, partial rows and their
-# flags, 5 i64 strides, 11 ints, scale_log2.
-PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqiiiiiiiiiiif")
+# flags, 5 i64 strides, 11 ints, scale_log2, 5 FastDiv (mul, shift, divisor), padding to 8 bytes.
+PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqiiiiiiiiiiif" + "IIi" * 5 + "4x")
 L2_SECTION_BYTES = 32 << 20  # causal tile order: K and V of one section of heads fit in L2
 
 
@@ -240,9 +241,13 @@ def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig, split: Tail
     zeroed flags, else None). Everything but the addresses is worked out once here."""
     b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.head_dim
     m_blocks = math.ceil(sq / config.block_m)
+    pairs = section_pairs(shape)
+    last_pairs = (h * b - 1) % pairs + 1  # in the last section of the causal order
+    divisors = (m_blocks, h, pairs * m_blocks, pairs, last_pairs)
     scalars = (out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
-               sq, sk, d, h, shape.kv_group, b, m_blocks, m_blocks * h * b, section_pairs(shape),
+               sq, sk, d, h, shape.kv_group, b, m_blocks, m_blocks * h * b, pairs,
                split.whole_rounds, split.units, shape.softmax_scale * math.log2(math.e))
+    scalars += sum((fast_divisor(max(1, x)) for x in divisors), ())
     block_m, block_n = config.block_m, config.block_n
 
     def build(addresses) -> tuple:
