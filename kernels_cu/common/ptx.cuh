@@ -101,6 +101,12 @@ CF_DEVICE float fast_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+// 1 / x within one ulp, without the IEEE division's fix-up branch for special operands.
+CF_DEVICE float fast_reciprocal(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
 CF_DEVICE float fast_log2(float x) {
     float y;
     asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

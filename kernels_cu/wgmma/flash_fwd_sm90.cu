@@ -393,17 +393,28 @@ CF_DEVICE void issue_values(float (&o)[Tl::kORegs], const u32 (&pa)[Tl::kBlockN 
 // ---- consumer: masking and the online softmax ----------------------------------------------------
 // Thread layout of a 64 x N accumulator: register 4j + e holds row 16 warp + lane/4 + 8 (e/2),
 // column 8j + 2 (lane%4) + e%2. Each thread owns two rows (r = 0, 1) and reduces over the quad.
+//
+// A thread's columns of a row grow with its register index i = 2j + e (column 8j + e past its
+// first), so the visible ones are a prefix: one count per row, turned into a bit mask per 32
+// registers, decides every element. ptxas moves such a mask into predicates seven bits at a time
+// (R2P) instead of comparing each column with the row's limit.
 template <int kN, bool kCausal>
 CF_DEVICE void mask_scores(float (&s)[kN / 2], int n_block, const int (&row)[2], int lane, const FwdParams& p) {
+    constexpr int kPerRow = kN / 4;  // registers per row
     const int col0 = n_block * kN + 2 * (lane % 4);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int limit = kCausal ? min(p.seqlen_k, row[r] + p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
+        const int span = max(0, min(limit - col0, kN));  // columns [col0, col0 + span) are visible
+        const int visible = 2 * (span / 8) + min(span % 8, 2);  // registers of the row: a prefix
 #pragma unroll
-        for (int j = 0; j < kN / 8; ++j)
+        for (int base = 0; base < kPerRow; base += 32) {
+            const int here = visible - base;
+            const u32 hidden = here >= 32 ? 0u : here <= 0 ? ~0u : ~0u << here;
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-                if (col0 + 8 * j + e >= limit) s[4 * j + 2 * r + e] = -CF_INF;
+            for (int i = base; i < min(base + 32, kPerRow); ++i)
+                if ((hidden >> (i - base)) & 1u) s[4 * (i / 2) + 2 * r + i % 2] = -CF_INF;
+        }
     }
 }
 
@@ -563,7 +574,7 @@ CF_DEVICE void finish_rows(const RowStats& stats, const int (&row)[2], int lane,
         sum += shfl_xor(sum, 1);
         sum += shfl_xor(sum, 2);
         const bool empty = sum == 0.f;
-        inv[r] = empty ? 0.f : 1.f / sum;
+        inv[r] = empty ? 0.f : fast_reciprocal(sum);
         if (lane % 4 == 0 && row[r] < p.seqlen_q)
             p.lse[tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + row[r]] =
                 empty ? CF_INF : (stats.max[r] * p.scale_log2 + fast_log2(sum)) * kLn2;
