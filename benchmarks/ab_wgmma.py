@@ -6,10 +6,11 @@ into forward_config. Needs an sm_90 GPU and torch. Example:
 
     python benchmarks/ab_wgmma.py --head-dim 128 --causal --seqlen 2048,16384 --tiles 128x2,176x2
 
---baseline FILE also times each tile built from another version of the kernel source (a copy
-placed under kernels_cu/, e.g. kernels_cu/wgmma/flash_fwd_sm90_base.cu from `git show`), so that
-a kernel change is judged against the code before it in the same process (--rounds N times every
-variant N times in turn: the clocks drift by several percent over a run):
+--baseline FILE[,FILE...] also times each tile built from other versions of the kernel source
+(copies placed under kernels_cu/, e.g. kernels_cu/wgmma/flash_fwd_sm90_base.cu from `git show`),
+so that a kernel change is judged against the code before it in the same process (--rounds N
+times every variant N times in turn: the clocks drift by several percent over a run). Each
+variant is labelled with its file name; they must share the host's parameter layout:
 
     git show HEAD~1:kernels_cu/wgmma/flash_fwd_sm90.cu > kernels_cu/wgmma/flash_fwd_sm90_base.cu
     python benchmarks/ab_wgmma.py --baseline wgmma/flash_fwd_sm90_base.cu --head-dim 64,128,256
@@ -110,7 +111,8 @@ def with_source(config, source_file: str):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", default="128", help="comma list")
-    parser.add_argument("--baseline", default="", help="kernel source (relative to kernels_cu/) to compare with")
+    parser.add_argument("--baseline", default="",
+                        help="comma list of kernel sources (relative to kernels_cu/) to compare with")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--seqlen", default="512,2048,16384", help="comma list; batch = 16384 // seqlen")
     parser.add_argument("--tiles", default="", help="comma list of BLOCKNxGROUPS (default: forward_config's)")
@@ -149,7 +151,8 @@ def compare(d: int, args) -> None:
         runs = [("cuDNN", cudnn)]
         for block_n, groups in tiles:
             config = dataclasses.replace(default, block_n=block_n, groups=groups)
-            variants = [("", config)] + ([("base ", with_source(config, args.baseline))] if args.baseline else [])
+            variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
+                                         for source in filter(None, args.baseline.split(","))]
             splits = [("split ", True), ("whole ", False)] if args.split_tail else [("", None)]
             for label, variant in variants:
                 for split_label, split in splits:
