@@ -394,10 +394,11 @@ CF_DEVICE void issue_values(float (&o)[Tl::kORegs], const u32 (&pa)[Tl::kBlockN 
 // Thread layout of a 64 x N accumulator: register 4j + e holds row 16 warp + lane/4 + 8 (e/2),
 // column 8j + 2 (lane%4) + e%2. Each thread owns two rows (r = 0, 1) and reduces over the quad.
 //
-// A thread's columns of a row grow with its register index i = 2j + e (column 8j + e past its
-// first), so the visible ones are a prefix: one count per row, turned into a bit mask per 32
-// registers, decides every element. ptxas moves such a mask into predicates seven bits at a time
-// (R2P) instead of comparing each column with the row's limit.
+// Row r's registers are 4j + 2r + e; the i-th of them (i = 2j + e) holds column 8j + e past the
+// thread's first, so the columns grow with i and those a row may see are a prefix of its
+// registers. One count per row, turned into a bit mask per 32 registers, then decides every
+// element: ptxas moves the mask into predicates seven bits at a time (R2P) instead of comparing
+// each column with the row's limit.
 template <int kN, bool kCausal>
 CF_DEVICE void mask_scores(float (&s)[kN / 2], int n_block, const int (&row)[2], int lane, const FwdParams& p) {
     constexpr int kPerRow = kN / 4;  // registers per row
