@@ -18,8 +18,3 @@ def fast_divisor(d: int) -> tuple[int, int, int]:
     mul = ((1 << (32 + shift)) + d - 1) // d - (1 << 32)  # ceil(2^(32+shift) / d) - 2^32
     return mul, shift, d
 
-
-def divide(n: int, divisor: tuple[int, int, int]) -> int:
-    """The kernel's FastDiv::div, in Python (for tests)."""
-    mul, shift, _ = divisor
-    return ((((n * mul) >> 32) + n) & 0xFFFFFFFF) >> shift

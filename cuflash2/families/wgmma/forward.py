@@ -18,7 +18,7 @@ from ...problem.features import AttentionProblem
 from ...problem.tensors import SHORT_DTYPE, SUPPORTED_DTYPES
 from ...runtime import launcher, tensor_maps
 from ...runtime.device import sm_count
-from ...runtime.fast_div import fast_divisor
+from ...runtime import fast_div
 from ...runtime.switches import switch_on, switch_setting
 
 SOURCE = "wgmma/flash_fwd_sm90.cu"
@@ -34,7 +34,7 @@ HANG_CHECK_VARIABLE = "CUFLASH2_HANG_CHECK"
 SPLIT_TAIL_VARIABLE = "CUFLASH2_SPLIT_TAIL"
 # FwdParams (flash_fwd_sm90.cu): 4 maps (q, k, v, out), out, lse, tile counter, partial rows and their
 # flags, 5 i64 strides, 11 ints, scale_log2, 5 FastDiv (mul, shift, divisor), padding to 8 bytes.
-PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqiiiiiiiiiiif" + "IIi" * 5 + "4x")
+PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqiiiiiiiiiiif" + fast_div.LAYOUT.format.lstrip("<") * 5 + "4x")
 L2_SECTION_BYTES = 32 << 20  # causal tile order: K and V of one section of heads fit in L2
 
 
@@ -247,7 +247,8 @@ def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig, split: Tail
     scalars = (out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
                sq, sk, d, h, shape.kv_group, b, m_blocks, m_blocks * h * b, pairs,
                split.whole_rounds, split.units, shape.softmax_scale * math.log2(math.e))
-    scalars += sum((fast_divisor(max(1, x)) for x in divisors), ())
+    # (m_blocks is 0 only for an empty query, which launches nothing.)
+    scalars += sum((fast_div.fast_divisor(max(1, x)) for x in divisors), ())
     block_m, block_n = config.block_m, config.block_n
 
     def build(addresses) -> tuple:
