@@ -95,6 +95,29 @@ def test_long_non_causal_calls_on_wide_key_blocks(ran, head_dim, sq, sk, dtype):
 
 
 @hopper_only
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("profile", ["ramp", "jump"])
+def test_row_maxima_that_climb_across_key_blocks(ran, profile, head_dim, causal, dtype):
+    """The kernel visits key blocks from the last to the first and keeps each row's reference for
+    the exponentials until a block's maximum exceeds it by more than 2^8: keys scaled up towards
+    the first ones make the maxima climb block after block ("ramp": by less than that, so the
+    probabilities grow up to 2^8 against a reference that seldom moves; "jump": by far more in the
+    last blocks visited, so the reference moves and O is rescaled by tiny factors)."""
+    import cupy as cp
+
+    sq = sk = 1500
+    q, k, v = make_inputs(cp, 2, sq, sk, 4, 4, head_dim, dtype,
+                          stable_seed("wgmma-climb", profile, head_dim, causal, dtype))
+    position = cp.arange(sk, dtype=cp.float32) / sk
+    gain = 1 + 6 * (1 - position) if profile == "ramp" else cp.where(position < 0.02, 12.0, 1.0)
+    k = (k.astype(cp.float32) * gain[None, :, None, None]).astype(k.dtype)
+    check_forward(cp, q, k, v, causal)
+    assert ran == {"wgmma": 1, "mma_sync": 0}
+
+
+@hopper_only
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("sq, sk", [(2048, 128), (1024, 100)])
 def test_causal_tiles_that_see_no_key(ran, head_dim, sq, sk):

@@ -420,12 +420,23 @@ CF_DEVICE void mask_scores(float (&s)[kN / 2], int n_block, const int (&row)[2],
 }
 
 struct RowStats {
-    float max[2] = {-CF_INF, -CF_INF};  // running maximum of the raw scores
+    float max[2] = {-CF_INF, -CF_INF};  // the rows' reference: their maximum raw score so far, up to a slack (below)
     float sum[2] = {0.f, 0.f};          // this thread's part of the running sum of exp
 };
 
+// The online softmax takes each row's exponentials against a reference that need not be the exact
+// running maximum: one at most kReferenceSlack (log2 units) below it keeps every probability within
+// [0, 2^kReferenceSlack], and the division by the row sum (or the LSE, which adds the reference
+// back) cancels it exactly in real arithmetic. Keeping the reference until a block's maximum exceeds
+// it by more than that skips rescaling O (kORegs multiplies per thread) in almost every block after
+// a row's first few, where the exact maximum of some of a warp's 16 rows moves in most blocks
+// (H200, kernel A/B: head dim 256 +3-6%, 64 +2-4%, 128 even to +1% sustained). 2^8 is far from
+// overflow in fp32 sums and in fp16/bf16 probabilities, and rounding P to 16 bits is relative, so
+// the larger values lose nothing.
+constexpr float kReferenceSlack = 8.f;
+
 // Folds a block of scores into the running row statistics; s becomes P (unnormalised, relative to
-// the new maximum) and scale the factor that brings earlier partial outputs to that maximum.
+// the new reference) and scale the factor that brings earlier partial outputs to that reference.
 // The row maximum and sum are taken over kChains independent partial results: with two consumer
 // warps per scheduler, a single dependent chain of kN/4 fmax or add steps would leave the issue
 // slots idle for its latency.
@@ -443,12 +454,16 @@ CF_DEVICE void softmax_update(float (&s)[kN / 2], RowStats& stats, float (&scale
         float m = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
         m = fmaxf(m, shfl_xor(m, 1));
         m = fmaxf(m, shfl_xor(m, 2));
+        // The reference moves only when the block's maximum exceeds it by more than
+        // kReferenceSlack (the comparison is false for a row with nothing visible yet, -inf on both
+        // sides, and true for its first visible scores).
+        const bool moves = (m - stats.max[r]) * scale_log2 > kReferenceSlack;
+        const float ref = moves ? m : stats.max[r];
         // Rows with nothing visible yet (only after a mask: an unmasked block has finite scores).
-        const float m_scaled = kMasked && m == -CF_INF ? 0.f : m * scale_log2;
-        // Exactly 1 when the maximum did not move (the exp2 of a fused multiply-add would be 1 only
-        // up to rounding), so that the caller can skip rescaling O.
-        scale[r] = m == stats.max[r] ? 1.f : fast_exp2(stats.max[r] * scale_log2 - m_scaled);
-        stats.max[r] = m;
+        const float m_scaled = kMasked && ref == -CF_INF ? 0.f : ref * scale_log2;
+        // Exactly 1 when the reference stays, so that the caller can skip rescaling O.
+        scale[r] = moves ? fast_exp2(stats.max[r] * scale_log2 - m_scaled) : 1.f;
+        stats.max[r] = ref;
 #pragma unroll
         for (int c = 0; c < kChains; ++c) part[c] = 0.f;
 #pragma unroll
