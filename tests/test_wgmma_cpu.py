@@ -99,6 +99,16 @@ def test_short_causal_calls_at_small_head_dims_take_two_warpgroups(monkeypatch):
 
 def test_params_struct_is_the_kernels_704_bytes():
     assert wgmma_fwd.PARAMS.size == 704  # flash_fwd_sm90.cu static_asserts sizeof(FwdParams) == 704
+    assert len(wgmma_fwd.FIELD_NAMES) == len(set(wgmma_fwd.FIELD_NAMES))
+    assert len(wgmma_fwd.PARAMS.unpack(bytes(704))) == len(wgmma_fwd.FIELD_NAMES)
+
+
+def _named(fields: tuple) -> dict:
+    """The packed FwdParams fields by name (a FastDiv's three as (mul, shift, d) under its own name)."""
+    named = dict(zip(wgmma_fwd.FIELD_NAMES, fields, strict=True))
+    for name in [n.split(".")[0] for n in wgmma_fwd.FIELD_NAMES if n.endswith(".mul")]:
+        named[name] = tuple(named[f"{name}.{part}"] for part in ("mul", "shift", "d"))
+    return named
 
 
 def _fast_divide(n: int, divisor: tuple[int, int, int]) -> int:
@@ -130,9 +140,10 @@ def test_fast_divisor_rejects_a_divisor_outside_int32():
 
 def _tile_at(t: int, fields: tuple, causal: bool) -> tuple:
     """The kernel's tile_at (flash_fwd_sm90.cu) on the packed FwdParams fields: (m_block, head, batch)."""
-    nheads, batch, m_blocks, section_pairs = fields[17], fields[19], fields[20], fields[22]
+    f = _named(fields)
     m_blocks_div, heads_div, section_tiles_div, pairs_div, last_pairs_div = (
-        fields[26 + 3 * i: 29 + 3 * i] for i in range(5))
+        f[name] for name in ("m_blocks", "heads", "section_tiles", "section_pairs", "last_pairs"))
+    nheads, batch, m_blocks, section_pairs = heads_div[2], f["batch"], m_blocks_div[2], pairs_div[2]
 
     def divmod_fast(n, divisor):
         quotient = _fast_divide(n, divisor)
@@ -284,16 +295,16 @@ def test_a_split_launch_gets_scratch_for_the_rows_handed_over_and_zeroed_flags(m
     tiles = -(-seqlen // config.block_m) * h * b
     key_blocks = -(-seqlen // config.block_n)
     assert grid == (min(tiles, 132),)
-    whole_rounds, units = fields[23], fields[24]  # after the maps, pointers, strides and 9 ints
+    whole_rounds, units = _named(fields)["whole_rounds"], _named(fields)["split_units"]
     if split:
         assert record["scratch"] == [((1,), "int32", True),  # the places in the walk
                                      ((wgmma_fwd.partial_floats(config, 132),), "float32", False),
                                      ((132 * config.groups,), "int32", True)]
         assert config.groups == 2 and wgmma_fwd.partial_floats(config, 132) == 132 * 2 * 128 * (64 + 4)
         assert (whole_rounds, units) == (tiles // 132 - 1, (tiles - (tiles // 132 - 1) * 132) * key_blocks)
-        assert fields[6] and fields[7] and fields[8]  # their addresses
+        assert all(_named(fields)[n] for n in ("tile_counter", "partials", "partial_ready"))  # their addresses
     else:
-        assert units == 0 and not fields[7] and not fields[8]
+        assert units == 0 and not _named(fields)["partials"] and not _named(fields)["partial_ready"]
         assert record["scratch"] == ([((1,), "int32", True)] if causal else [])
 
 
@@ -496,7 +507,7 @@ def test_a_replay_rebuilds_the_parameter_struct_for_new_addresses(monkeypatch):
     assert maps == addresses[:4] and list(fields[4:9]) == [addresses[3], addresses[4], 0xABC000, 0, 0]
     assert memsets == [(0xABC000, 4)]  # the tile counter starts at zero on every replay
     assert wgmma_fwd.PARAMS.pack(*fields)  # the fields fit the kernel's layout
-    assert np.int32(fields[16]) == 128  # head_dim
+    assert _named(fields)["head_dim"] == 128
     built = []
     monkeypatch.setattr(tensor_maps, "encode_tiled", lambda *args, **kwargs: built.append(args) or fake_map(*args))
     recording.run(addresses, 77, scratch_base=0xABC000)  # the same addresses: the same struct, not rebuilt
@@ -533,7 +544,7 @@ def test_a_replayed_split_tail_starts_from_zeroed_places_and_flags(monkeypatch):
     fields = sent[-1][4]
     counter, partials, flags = fields[6:9]
     assert (counter, partials, flags) == tuple(0xABC000 + o for o in offsets)
-    assert fields[24] > 0  # split_units: the tail is split
+    assert _named(fields)["split_units"] > 0  # the tail is split
 
 
 def test_replays_are_dropped_when_the_family_variable_changes(monkeypatch):

@@ -34,17 +34,17 @@ struct FwdParams {
     int* partial_ready;             // split tail: zero at launch, one flag per CTA and consumer group
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 lse_batch_stride, lse_head_stride;
-    int seqlen_q, seqlen_k, head_dim, nheads;
-    int kv_group, batch, m_blocks, tiles;
-    int section_pairs;              // causal: (batch, head) pairs per L2 section of the tile order
+    int seqlen_q, seqlen_k, head_dim;
+    int kv_group, batch, tiles;
     int whole_rounds;               // non-causal: rounds of whole tiles (all of them without a split tail)
     int split_units;                // non-causal: key blocks of the split tail, tiles x blocks (0: none)
     float scale_log2;               // softmax_scale * log2(e)
-    // The divisions of tile_at, by launch constants: query blocks, heads; causal: tiles per L2
-    // section, (batch, head) pairs per section and in the last (possibly smaller) section.
-    FastDiv m_blocks_div, heads_div, section_tiles_div, section_pairs_div, last_pairs_div;
+    // tile_at's divisors (each also holds the value, FastDiv::d): query blocks per head, heads;
+    // causal: tiles per L2 section, (batch, head) pairs per section and in the last (possibly
+    // smaller) section.
+    FastDiv m_blocks, heads, section_tiles, section_pairs, last_pairs;
 };
-static_assert(sizeof(FwdParams) == 704, "FwdParams: host layout (4 maps, 5 pointers, 5 i64, 11 int, 1 float, 5 FastDiv, padding to 8)");
+static_assert(sizeof(FwdParams) == 704, "FwdParams: host layout (4 maps, 5 pointers, 5 i64, 8 int, 1 float, 5 FastDiv, padding to 64)");
 
 constexpr int kMaxStages = 4;  // K and V stages FwdBarriers has room for
 constexpr int kBarrierBytes = 192;  // FwdBarriers' block at the end of shared memory
@@ -153,17 +153,17 @@ CF_DEVICE Tile tile_at(int t, const FwdParams& p) {
     Tile tile;
     int pair;  // batch * nheads + head
     if (!kCausal) {
-        p.m_blocks_div.divmod(t, pair, tile.m_block);
+        p.m_blocks.divmod(t, pair, tile.m_block);
     } else {
         int section, r, rank;
-        p.section_tiles_div.divmod(t, section, r);
-        const int first_pair = section * p.section_pairs;
-        const bool last = first_pair + p.section_pairs > p.nheads * p.batch;
-        (last ? p.last_pairs_div : p.section_pairs_div).divmod(r, rank, pair);
+        p.section_tiles.divmod(t, section, r);
+        const int first_pair = section * p.section_pairs.d;
+        const bool last = first_pair + p.section_pairs.d > p.heads.d * p.batch;
+        (last ? p.last_pairs : p.section_pairs).divmod(r, rank, pair);
         pair += first_pair;
-        tile.m_block = p.m_blocks - 1 - rank;
+        tile.m_block = p.m_blocks.d - 1 - rank;
     }
-    p.heads_div.divmod(pair, tile.batch, tile.head);
+    p.heads.divmod(pair, tile.batch, tile.head);
     return tile;
 }
 

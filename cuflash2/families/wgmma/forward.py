@@ -32,9 +32,22 @@ HANG_CHECK_VARIABLE = "CUFLASH2_HANG_CHECK"
 #: CUFLASH2_SPLIT_TAIL=1 splits the tail of every non-causal launch that can be split, 0 none (see
 #: split_tail); unset, the launches that leave SMs idle for long enough.
 SPLIT_TAIL_VARIABLE = "CUFLASH2_SPLIT_TAIL"
-# FwdParams (flash_fwd_sm90.cu): 4 maps (q, k, v, out), out, lse, tile counter, partial rows and their
-# flags, 5 i64 strides, 11 ints, scale_log2, 5 FastDiv (mul, shift, divisor), padding to 8 bytes.
-PARAMS = struct.Struct("<128s128s128s128sQQQQQqqqqqiiiiiiiiiiif" + fast_div.LAYOUT.format.lstrip("<") * 5 + "4x")
+#: FwdParams (flash_fwd_sm90.cu), field by field in the kernel's order: name and struct code. Every
+#: field sits at its natural alignment; the struct ends padded to its tensor maps' 64 bytes (the
+#: kernel pins the size).
+_DIVISORS = ("m_blocks", "heads", "section_tiles", "section_pairs", "last_pairs")
+_FIELDS = ([(f"{t}_map", "128s") for t in ("q", "k", "v", "o")]
+           + [(name, "Q") for name in ("o", "lse", "tile_counter", "partials", "partial_ready")]
+           + [(name, "q") for name in ("o_batch_stride", "o_row_stride", "o_head_stride", "lse_batch_stride",
+                                       "lse_head_stride")]
+           + [(name, "i") for name in ("seqlen_q", "seqlen_k", "head_dim", "kv_group", "batch", "tiles",
+                                       "whole_rounds", "split_units")]
+           + [("scale_log2", "f")]
+           + [(f"{name}.{part}", code) for name in _DIVISORS
+              for part, code in zip(("mul", "shift", "d"), fast_div.LAYOUT.format.lstrip("<"))])
+FIELD_NAMES = tuple(name for name, _ in _FIELDS)
+_UNPADDED = struct.calcsize("<" + "".join(code for _, code in _FIELDS))
+PARAMS = struct.Struct("<" + "".join(code for _, code in _FIELDS) + f"{-_UNPADDED % 64}x")
 L2_SECTION_BYTES = 32 << 20  # causal tile order: K and V of one section of heads fit in L2
 
 
@@ -243,9 +256,9 @@ def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig, split: Tail
     m_blocks = math.ceil(sq / config.block_m)
     pairs = section_pairs(shape)
     last_pairs = (h * b - 1) % pairs + 1  # in the last section of the causal order
-    divisors = (m_blocks, h, pairs * m_blocks, pairs, last_pairs)
+    divisors = (m_blocks, h, pairs * m_blocks, pairs, last_pairs)  # in _DIVISORS' order
     scalars = (out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
-               sq, sk, d, h, shape.kv_group, b, m_blocks, m_blocks * h * b, pairs,
+               sq, sk, d, shape.kv_group, b, m_blocks * h * b,
                split.whole_rounds, split.units, shape.softmax_scale * math.log2(math.e))
     # (m_blocks is 0 only for an empty query, which launches nothing.)
     scalars += sum((fast_div.fast_divisor(max(1, x)) for x in divisors), ())
