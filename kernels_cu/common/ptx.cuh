@@ -119,6 +119,10 @@ CF_DEVICE int opaque_int(int x) {
     asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
     return y;
 }
+// A value the same in every lane of the warp, read from lane 0: ptxas can then keep it and what is
+// computed from it (shared-memory addresses, wgmma descriptors) in uniform registers, as it cannot
+// for threadIdx.x / 128 itself although that is warp-uniform too.
+CF_DEVICE int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 CF_DEVICE float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 CF_DEVICE u32 shfl_xor_u32(u32 v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
