@@ -292,14 +292,24 @@ def attention_backward_naive(dout, q, k, v, out, lse, softmax_scale=None, causal
 # ------------------------------------------------------------ tiled forward (fp32)
 
 
-def _online_update(m, l, acc, s2, vb, p_dtype):
+#: The Hopper forward's slack for the exponentials' reference (kernels_cu/wgmma/flash_fwd_sm90.cu,
+#: kReferenceSlack), in log2 units; the mma.sync kernels keep the exact running maximum (0).
+HOPPER_RESCALE_SLACK = 8.0
+
+
+def _online_update(m, l, acc, s2, vb, p_dtype, slack=0.0):
     """One online-softmax step over a key block, exactly as the kernel does it in fp32.
 
-    s2 are the masked logits in log2 units.  A running max of -inf is replaced by 0 as
-    the subtrahend so exp2(-inf - (-inf)) never produces NaN.  The row sum uses fp32 P,
-    while the P @ V product sees P rounded to p_dtype (the kernel's fp16/bf16 MMA input).
+    s2 are the masked logits in log2 units.  m is each row's reference for the exponentials:
+    it moves to the block's maximum only where that exceeds it by more than `slack` (0: the
+    exact running maximum), so probabilities stay within [0, 2^slack] and O is rescaled only
+    when it moves.  A reference of -inf is replaced by 0 as the subtrahend so exp2(-inf -
+    (-inf)) never produces NaN.  The row sum uses fp32 P, while the P @ V product sees P
+    rounded to p_dtype (the kernel's fp16/bf16 MMA input).
     """
-    m_new = np.maximum(m, s2.max(axis=-1))
+    block_max = s2.max(axis=-1)
+    with np.errstate(invalid="ignore"):  # -inf - -inf: a row with nothing visible yet keeps -inf
+        m_new = np.where(block_max - m > slack, block_max, m)
     sub = np.where(m_new == -np.inf, np.float32(0), m_new)
     corr = np.exp2(m - sub)
     p = np.exp2(s2 - sub[..., None])
@@ -319,7 +329,7 @@ def _finalize(m, l, acc):
     return out.astype(np.float32), lse.astype(np.float32)
 
 
-def _forward_query_block(qh, kh, vh, m_block, block_m, block_n, prob, p_dtype):
+def _forward_query_block(qh, kh, vh, m_block, block_m, block_n, prob, p_dtype, slack):
     """Forward for one query block over all batches/heads; returns (out, lse) for its rows."""
     sq, sk = prob.seqlen_q, prob.seqlen_k
     rows = _block_idx(m_block, block_m, sq)
@@ -336,18 +346,24 @@ def _forward_query_block(qh, kh, vh, m_block, block_m, block_n, prob, p_dtype):
         if block_needs_mask(m_block, n_block, block_m, block_n, sq, sk, prob.causal,
                             prob.window_size):
             s2 = _mask(s2, rows, cols, prob)
-        m, l, acc = _online_update(m, l, acc, s2, vh[:, :, cols], p_dtype)
+        m, l, acc = _online_update(m, l, acc, s2, vh[:, :, cols], p_dtype, slack)
     return _finalize(m, l, acc)
 
 
 def attention_tiled(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, block_m=64, block_n=64, p_dtype=None):
+                    softcap=0.0, alibi_slopes=None, block_m=64, block_n=64, p_dtype=None,
+                    rescale_slack=0.0):
     """Blocked float32 forward mirroring the kernel; returns out (b,sq,hq,d), lse (b,hq,sq).
 
     Inputs of any float dtype (fp16, bf16, fp32, fp64) are converted to float32.  Query
     blocks whose key range is empty are left at out = 0, lse = +inf.  ``p_dtype`` (any
     numpy dtype, e.g. np.float16 or ml_dtypes.bfloat16) rounds P before P @ V.
+    ``rescale_slack`` (log2 units, >= 0): how far a key block's maximum may exceed a row's
+    reference before the reference moves (0, the mma.sync kernels: the exact running maximum;
+    HOPPER_RESCALE_SLACK: the Hopper forward).
     """
+    if not (isinstance(rescale_slack, (int, float)) and 0 <= rescale_slack < 64):
+        raise ValueError(f"rescale_slack: expected a number in [0, 64), got {rescale_slack!r}")
     (qh, kh, vh), prob = _prepare(q, k, v, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, np.float32)
     p_dtype = None if p_dtype is None else np.dtype(p_dtype)
@@ -357,7 +373,7 @@ def attention_tiled(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     for m_block in range(_num_blocks(sq, block_m)):
         rows = _block_idx(m_block, block_m, sq)
         out[:, :, rows], lse[:, :, rows] = _forward_query_block(
-            qh, kh, vh, m_block, block_m, block_n, prob, p_dtype)
+            qh, kh, vh, m_block, block_m, block_n, prob, p_dtype, np.float32(rescale_slack))
     return _seq_first(out), lse
 
 
