@@ -18,6 +18,7 @@ sees no key gets out = 0, lse = +inf and zero gradients.
 """
 
 import math
+import numbers
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -295,6 +296,8 @@ def attention_backward_naive(dout, q, k, v, out, lse, softmax_scale=None, causal
 #: The Hopper forward's slack for the exponentials' reference (kernels_cu/wgmma/flash_fwd_sm90.cu,
 #: kReferenceSlack), in log2 units; the mma.sync kernels keep the exact running maximum (0).
 HOPPER_RESCALE_SLACK = 8.0
+#: The largest slack attention_tiled takes: probabilities stay below 2^16, finite in fp16.
+MAX_RESCALE_SLACK = 15.0
 
 
 def _online_update(m, l, acc, s2, vb, p_dtype, slack=0.0):
@@ -362,8 +365,10 @@ def attention_tiled(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     reference before the reference moves (0, the mma.sync kernels: the exact running maximum;
     HOPPER_RESCALE_SLACK: the Hopper forward).
     """
-    if not (isinstance(rescale_slack, (int, float)) and 0 <= rescale_slack < 64):
-        raise ValueError(f"rescale_slack: expected a number in [0, 64), got {rescale_slack!r}")
+    # Probabilities reach 2^slack: below 2^16, fp16's largest finite value, when P is rounded to it.
+    if isinstance(rescale_slack, bool) or not isinstance(rescale_slack, numbers.Real) or not (
+            0 <= rescale_slack <= MAX_RESCALE_SLACK):
+        raise ValueError(f"rescale_slack: expected a number in [0, {MAX_RESCALE_SLACK:g}], got {rescale_slack!r}")
     (qh, kh, vh), prob = _prepare(q, k, v, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, np.float32)
     p_dtype = None if p_dtype is None else np.dtype(p_dtype)

@@ -103,6 +103,25 @@ def test_params_struct_is_the_kernels_704_bytes():
     assert len(wgmma_fwd.PARAMS.unpack(bytes(704))) == len(wgmma_fwd.FIELD_NAMES)
 
 
+def test_the_host_fields_are_the_kernels_in_its_order():
+    """FIELD_NAMES against FwdParams' declarations in flash_fwd_sm90.cu (a FastDiv as its mul,
+    shift and d), so that a field added, removed or moved on one side only fails here."""
+    import re
+
+    from cuflash2.runtime import compiler
+
+    source = (compiler.kernel_dir() / "wgmma" / "flash_fwd_sm90.cu").read_text()
+    body = re.search(r"struct FwdParams \{(.*?)\n\};", source, re.S).group(1)
+    declared = []
+    for statement in re.sub(r"//[^\n]*", "", body).split(";"):
+        words = statement.replace(",", " ").split()
+        if not words:
+            continue
+        kind, names = words[0], [w.lstrip("*") for w in words[1:] if w != "*"]
+        declared += [f"{n}.{part}" for n in names for part in ("mul", "shift", "d")] if kind == "FastDiv" else names
+    assert tuple(declared) == wgmma_fwd.FIELD_NAMES
+
+
 def _named(fields: tuple) -> dict:
     """The packed FwdParams fields by name (a FastDiv's three as (mul, shift, d) under its own name)."""
     named = dict(zip(wgmma_fwd.FIELD_NAMES, fields, strict=True))

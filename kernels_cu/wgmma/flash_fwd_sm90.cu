@@ -430,7 +430,7 @@ struct RowStats {
 // back) cancels it exactly in real arithmetic. Keeping the reference until a block's maximum exceeds
 // it by more than that skips rescaling O (kORegs multiplies per thread) in almost every block after
 // a row's first few, where the exact maximum of some of a warp's 16 rows moves in most blocks
-// (H200, kernel A/B: head dim 256 +3-6%, 64 +2-4%, 128 even to +1% sustained). 2^8 is far from
+// (H200, kernel A/B: head dim 256 +3-6%, 64 -1..+4%, 128 even to +1% sustained). 2^8 is far from
 // overflow in fp32 sums and in fp16/bf16 probabilities. The cost is accuracy in rows that a few
 // keys dominate: a block's largest probability is no longer exactly 1 and is rounded to 16 bits
 // like the others (the NumPy reference, cuflash2/reference.py, mirrors it: 2-3x the output error
