@@ -22,9 +22,9 @@ import argparse
 import shutil
 import sys
 
-from softmax_overlap import sass
+from softmax_overlap import forward_configs, sass
 
-from cuflash2.families.wgmma import backward, forward
+from cuflash2.families.wgmma import backward
 
 
 def loops(lines: list[str]) -> list[tuple[int, int]]:
@@ -51,8 +51,7 @@ def hot_loop(lines: list[str]) -> list[str]:
 def configs(families: list[str], head_dims: list[int]) -> list:
     chosen = []
     if "fwd" in families:
-        chosen += list(dict.fromkeys(forward.forward_config(d, "bfloat16", causal, seqlen=seqlen) for d in head_dims
-                                     for causal in (False, True) for seqlen in forward.SEQLEN_CLASSES))
+        chosen += forward_configs(head_dims)
     if "bwd" in families:
         chosen += [c for c in backward.all_configs() if isinstance(c, backward.WgmmaBwdConfig)
                    and c.head_dim in head_dims and c.dtype == "bfloat16" and not c.gqa and not c.deterministic]

@@ -53,15 +53,19 @@ def softmax_sides(lines: list[str]) -> list[tuple[int, int]]:
     return sides
 
 
+def forward_configs(head_dims) -> list:
+    """The bf16 forward instantiations a call at these head dims can pick (causal or not, each
+    length class)."""
+    return list(dict.fromkeys(forward.forward_config(d, "bfloat16", causal, seqlen=seqlen) for d in head_dims
+                              for causal in (False, True) for seqlen in forward.SEQLEN_CLASSES))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", default="64,128,256")
     parser.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
     args = parser.parse_args()
-    configs = dict.fromkeys(forward.forward_config(d, "bfloat16", causal, seqlen=seqlen)
-                            for d in map(int, args.head_dim.split(",")) for causal in (False, True)
-                            for seqlen in forward.SEQLEN_CLASSES)
-    for config in configs:
+    for config in forward_configs(map(int, args.head_dim.split(","))):
         sides = softmax_sides(sass(config, args.nvdisasm))
         print(f"{config.short_id()}: " + ", ".join(f"{b} before / {a} after" for b, a in sides))
     return 0

@@ -16,9 +16,8 @@ import numpy as np
 
 from ...problem.features import AttentionProblem
 from ...problem.tensors import SHORT_DTYPE, SUPPORTED_DTYPES
-from ...runtime import launcher, tensor_maps
+from ...runtime import fast_div, launcher, tensor_maps
 from ...runtime.device import sm_count
-from ...runtime import fast_div
 from ...runtime.switches import switch_on, switch_setting
 
 SOURCE = "wgmma/flash_fwd_sm90.cu"
@@ -258,7 +257,7 @@ def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig, split: Tail
     last_pairs = (h * b - 1) % pairs + 1  # in the last section of the causal order
     divisors = (m_blocks, h, pairs * m_blocks, pairs, last_pairs)  # in _DIVISORS' order
     scalars = (out.strides[0], out.strides[1], out.strides[2], lse.strides[0], lse.strides[1],
-               sq, sk, d, shape.kv_group, b, m_blocks * h * b,
+               sq, sk, d, shape.kv_group, b, tile_count(shape, config),
                split.whole_rounds, split.units, shape.softmax_scale * math.log2(math.e))
     # (m_blocks is 0 only for an empty query, which launches nothing.)
     scalars += sum((fast_div.fast_divisor(max(1, x)) for x in divisors), ())
