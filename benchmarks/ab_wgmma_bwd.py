@@ -57,6 +57,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="times every variant once per round, in turn")
     parser.add_argument("--both-grids", action="store_true",
                         help="time each kernel with one CTA per tile and with the persistent grid")
+    parser.add_argument("--seconds", type=float, default=0.0,
+                        help="each turn a sustained run of this many seconds (power-limited clocks), with "
+                             "the mean SM clock and board power (NVML); steadier than the short turns")
     parser.add_argument("--register-stores", action="store_true",
                         help="also time each kernel with dK and dV stored from registers (not by TMA)")
     args = parser.parse_args()
@@ -104,7 +107,7 @@ def main():
                     with stream, store():  # its scratch (CuPy's pool) on the same stream
                         wgmma_bwd.backward(problem, *infos, 0, stream, config=variant)
                 runs.append((f"{label}{store_label}wgmma", run))
-        print(f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: {timed_in_turn(runs, flops, args.rounds)} TFLOP/s",
+        print(f"d{d} {'causal' if args.causal else 'full'} s{s:6d}: {timed_in_turn(runs, flops, args.rounds, args.seconds)} TFLOP/s",
               flush=True)
 
 

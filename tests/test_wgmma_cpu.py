@@ -746,14 +746,14 @@ def test_key_gradients_that_no_map_describes_are_stored_from_registers(monkeypat
 
 
 @pytest.mark.parametrize("d, causal, seqlen, persistent", [
-    (128, False, 512, True), (128, False, 2048, True), (128, False, 2049, False), (128, False, 4096, False),
-    (128, True, 512, False), (128, True, 513, True), (128, True, 2048, True), (128, True, 2049, False),
-    (64, True, 1024, False), (64, False, 512, False), (256, True, 512, False), (192, False, 512, False),
-    (96, False, 1000, True), (96, True, 300, False)])
-def test_short_backward_calls_run_a_persistent_grid(monkeypatch, d, causal, seqlen, persistent):
-    """Calls in PERSISTENT_SEQLENS (the longer length) at kernel head dim 128 launch one CTA per SM,
-    at most one per unit of two key blocks; longer calls (and short causal ones), head dims 64 and
-    256 one CTA per (key block, head, batch) tile."""
+    (128, False, 512, False), (128, False, 2048, False), (128, False, 4096, False),
+    (128, True, 512, False), (128, True, 513, True), (128, True, 2048, True), (128, True, 8192, True),
+    (128, True, 8193, False), (64, True, 1024, False), (64, False, 512, False), (256, True, 512, False),
+    (192, True, 2048, False), (96, True, 1000, True), (96, False, 1000, False), (96, True, 300, False)])
+def test_causal_backward_calls_up_to_8k_run_a_persistent_grid(monkeypatch, d, causal, seqlen, persistent):
+    """Causal calls in PERSISTENT_SEQLENS (the longer length, 513-8192) at kernel head dim 128 launch
+    one CTA per SM, at most one per unit of two key blocks; non-causal, shorter and longer calls, head
+    dims 64 and 256 one CTA per (key block, head, batch) tile."""
     monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: 132)
     b, h = 3, 4
     for sq, sk in ((seqlen, seqlen // 2), (seqlen // 3, seqlen)):
@@ -765,7 +765,7 @@ def test_short_backward_calls_run_a_persistent_grid(monkeypatch, d, causal, seql
         assert main_grid == ((min(units, 132), 1, 1) if persistent else (n_blocks, h, b))
         assert wgmma_bwd.PARAMS.unpack(packed)[-2] == units
     monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: 10)  # fewer SMs than units: one CTA per SM
-    problem = AttentionProblem(AttentionShape(b, 700, 700, h, h, 128, "bfloat16", 0.1), False)
+    problem = AttentionProblem(AttentionShape(b, 700, 700, h, h, 128, "bfloat16", 0.1), True)
     assert _record_backward(monkeypatch, problem)["launches"][1][1] == (10, 1, 1)
     deterministic = _record_backward(monkeypatch, problem, deterministic=True)["launches"][1][0]
     assert deterministic.deterministic and not deterministic.persistent
@@ -786,7 +786,7 @@ def test_the_persistent_backward_is_its_own_instantiation():
     with pytest.raises(ValueError, match="deterministic"):
         wgmma_bwd.WgmmaBwdConfig(128, True, "bfloat16", False, deterministic=True, persistent=True)
     configs = [c for c in wgmma_bwd.all_configs() if isinstance(c, wgmma_bwd.WgmmaBwdConfig)]
-    assert {(c.head_dim, c.causal) for c in configs if c.persistent} == {(128, False), (128, True)}
+    assert {(c.head_dim, c.causal) for c in configs if c.persistent} == {(128, True)}
     assert all(dataclasses.replace(c, persistent=False) in configs for c in configs if c.persistent)
 
 

@@ -203,14 +203,17 @@ def _ptr(x):
 
 
 #: The calls (by the longer of seqlen_q and seqlen_k: shortest < length <= longest) that run the
-#: persistent grid, per kernel head dim and mask. Kernel A/B on an H200 with dK and dV stored by TMA
-#: (bf16, 3 rounds in turn, persistent against one CTA per tile): d128 non-causal even at 512, +2.5%
-#: at 1k, +4% at 2k; d128 causal -2% at 512, +3% at 1k, +5% at 2k; d64 -1..-4% non-causal and
-#: -4..-6% causal at 512-2k. Earlier, with the register stores, d128 lost 1-7% from 4k and d256
-#: 1-5% at 512-2k. Short calls gain from loading the next tile's K and V while the previous tile's
-#: dK and dV are stored; a long call's tiles are many, and the hardware's dynamic order of one-tile
-#: CTAs beats the static walk's last round.
-PERSISTENT_SEQLENS = {(128, False): (0, 2048), (128, True): (512, 2048)}
+#: persistent grid, per kernel head dim and mask. Kernel A/B on an H200 (3 rounds in turn of 0.4 s
+#: sustained runs, at the board's power limit from 4k: what a training loop sees), persistent against
+#: one CTA per tile: d128 causal +1.4% at 1k, +2.4% at 2k, +1.6% at 4k, +1.1% at 8k (fp16 +2.8% /
+#: +2.4% at 2k / 4k); d128 non-causal -2% at 1k, -3% at 2k, -3.6% at 4k (fp16 -3.3% at 2k).
+#: Short turns (2 ms, boost clocks) had measured non-causal even to +4% at 1k-2k and causal -2% at
+#: 512, within their spread of several percent; on the persistent grid d64 lost 3-16% and d256 2-6%
+#: (both masks, 1k-16k, short turns).
+#: Causal tiles gain from the walk's pairs of key blocks j and n_blocks - 1 - j, which even out
+#: their uneven step counts where one-tile CTAs end in a ragged last round, and from loading the
+#: next tile's K and V while the previous one's dK and dV are stored.
+PERSISTENT_SEQLENS = {(128, True): (512, 8192)}
 
 
 #: The persistent walk keeps a thread's place in one 32-bit word (tile index << 3, flash_bwd_sm90.cu's
