@@ -58,14 +58,20 @@ def test_short_calls_above_head_dim_64_stage_the_output_beside_v_up_to_128_and_o
 
 
 def test_long_non_causal_calls_at_head_dim_128_take_wider_key_blocks():
-    """Head dims 113-128, non-causal, longer than SHORT_SEQLEN or of unknown length: 160-key blocks
-    (measured faster there); short or causal calls and other head dims keep their blocks."""
+    """Head dims 113-128, non-causal, longer than SHORT_SEQLEN or of unknown length: 160-key blocks,
+    from WIDEST_SEQLEN 192 (measured faster there); short or causal calls and other head dims keep
+    their blocks."""
     long, short = wgmma_fwd.SHORT_SEQLEN + 1, wgmma_fwd.SHORT_SEQLEN
     for d in (120, 128):
-        for seqlen in (long, None):
+        for seqlen in (long, wgmma_fwd.WIDEST_SEQLEN - 1, None):
             config = wgmma_fwd.forward_config(d, "float16", False, seqlen=seqlen)
             assert config.block_n == wgmma_fwd.WIDE_BLOCK_N == 160 and config.groups == 2, config
             assert not config.staged_output and config in wgmma_fwd.all_configs()
+        for seqlen in (wgmma_fwd.WIDEST_SEQLEN, 1 << 20):
+            config = wgmma_fwd.forward_config(d, "bfloat16", False, seqlen=seqlen)
+            assert config.block_n == wgmma_fwd.WIDEST_BLOCK_N == 192 and config.groups == 2, config
+            assert config.smem_bytes <= wgmma_fwd.SMEM_LIMIT and config in wgmma_fwd.all_configs()
+        assert wgmma_fwd.forward_config(d, "bfloat16", True, seqlen=1 << 20).block_n == 128
         assert wgmma_fwd.forward_config(d, "bfloat16", False, seqlen=short).block_n == 128
         assert wgmma_fwd.forward_config(d, "bfloat16", True, seqlen=long).block_n == 128
     assert wgmma_fwd.forward_config(96, "bfloat16", False, seqlen=long).block_n == 128
@@ -690,7 +696,7 @@ def test_the_backward_launches_its_passes_with_the_tiles_of_its_head_dim(monkeyp
 
     (rows, rows_grid), (main, main_grid, packed), (dq_pass, dq_grid) = record["launches"]
     assert (rows.kernel, rows_grid) == ("rows", (-(-m_blocks * block_m // 32), h, b))
-    # A causal call of 300 rows, too short for the persistent grid (PERSISTENT_SEQLENS): a CTA per tile.
+    # A causal call of 300 rows, too short for the persistent grid (PERSISTENT_ABOVE): a CTA per tile.
     persistent = False
     assert (main.head_dim, main.causal, main.gqa, main.deterministic, main.persistent) == (kd, True, gqa, False,
                                                                                            persistent)
@@ -748,11 +754,11 @@ def test_key_gradients_that_no_map_describes_are_stored_from_registers(monkeypat
 @pytest.mark.parametrize("d, causal, seqlen, persistent", [
     (128, False, 512, False), (128, False, 2048, False), (128, False, 4096, False),
     (128, True, 512, False), (128, True, 513, True), (128, True, 2048, True), (128, True, 8192, True),
-    (128, True, 8193, False), (64, True, 1024, False), (64, False, 512, False), (256, True, 512, False),
+    (128, True, 20000, True), (64, True, 1024, False), (64, False, 512, False), (256, True, 512, False),
     (192, True, 2048, False), (96, True, 1000, True), (96, False, 1000, False), (96, True, 300, False)])
-def test_causal_backward_calls_up_to_8k_run_a_persistent_grid(monkeypatch, d, causal, seqlen, persistent):
-    """Causal calls in PERSISTENT_SEQLENS (the longer length, 513-8192) at kernel head dim 128 launch
-    one CTA per SM, at most one per unit of two key blocks; non-causal, shorter and longer calls, head
+def test_causal_backward_calls_above_512_run_a_persistent_grid(monkeypatch, d, causal, seqlen, persistent):
+    """Causal calls longer than PERSISTENT_ABOVE's 512 (the longer length) at kernel head dim 128
+    launch one CTA per SM, at most one per unit of two key blocks; non-causal and shorter calls, head
     dims 64 and 256 one CTA per (key block, head, batch) tile."""
     monkeypatch.setattr(wgmma_bwd, "sm_count", lambda device_id: 132)
     b, h = 3, 4

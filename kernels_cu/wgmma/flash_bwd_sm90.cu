@@ -274,17 +274,28 @@ struct DqFragments {
 // depend on. A persistent walk keeps the thread's place, t << 3 | steps_before << 1 | tile, in
 // shared memory: held in a register across a tile, it was spilled (the consumers' hot loop takes
 // all 240, the producer's threads have 24).
-template <class T, bool kCausal, class Walk, class Body>
+// kFullWarp: all 32 lanes of the warp walk together (the consumers). They then read the place
+// through lane 0 (warp_uniform): read from shared memory, ptxas cannot tell that it is the same in
+// every lane, and the stage index and every wgmma descriptor built from it went to vector registers,
+// copied over (R2UR) before each wgmma (d128 step loop 757 -> 547 SASS instructions, 112 R2UR -> 0;
+// sustained kernel A/B at causal 512 / 4k / 16k: +2% / +2.7% / +1.2%).
+// The producer's and the keeper's threads walk alone in their warps and read it directly (a
+// full-warp shuffle needs every lane).
+template <class T, bool kCausal, bool kFullWarp = false, class Walk, class Body>
 CF_DEVICE void for_each_tile(const BwdParams& p, const Walk& walk, Body&& body) {
     if constexpr (!Walk::kPersistent) {
         body(walk.n_block, walk.head, walk.batch, 0, 0);
     } else {
         const u32 slot = walk.places + 4 * threadIdx.x;
+        auto read_place = [&]() {
+            const int place = ld_shared_volatile(slot);
+            return kFullWarp ? warp_uniform(place) : place;
+        };
         st_shared_volatile(slot, Walk::first() << 3);
         while (true) {
-            int place = ld_shared_volatile(slot), t = place >> 3;
+            int place = read_place(), t = place >> 3;
             body(Walk::n_block(t, p), Walk::head(t, p), Walk::batch(t, p), place & 1, (place >> 1) & 3);
-            place = ld_shared_volatile(slot);
+            place = read_place();
             t = place >> 3;
             const int steps = ((place >> 1) + p.m_blocks - first_query_block<T, kCausal>(Walk::n_block(t, p), p)) & 3;
             if (!Walk::next(t, p)) break;
@@ -725,9 +736,10 @@ CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, 
                             int batch, int tile, int steps_before) {
     constexpr int kM = T::kBlockM, kD = T::kHeadDim;
     // With 64 query rows per step, registers are left beside S^T, dP^T, dV and dK to issue dV before
-    // dS^T is formed, and (one CTA per tile) to read the LSE values before the products are issued;
-    // at 128 rows, or with the persistent walk's state, they spill. So does handing the staged dQ
-    // to the keeper after the next step's products are issued, at 128 rows with the persistent walk.
+    // dS^T is formed, and to read the LSE values before the products are issued; at 128 rows they
+    // spill. On the persistent walk the early LSE read measured 2-3% slower (d128 causal, sustained
+    // kernel A/B), so it reads them after the products there. Handing the staged dQ to the keeper
+    // after the next step's products are issued spills at 128 rows with the persistent walk.
     constexpr bool kEarlyDv = kM == 64, kEarlyLse = kM == 64 && !kPersistent;
     constexpr bool kLatePublish = kM == 64 || !kPersistent;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -830,7 +842,7 @@ CF_DEVICE void consume_tile(const BwdParams& p, u32 smem, const Barriers& bars, 
 // A consumer group: its 64 keys of each tile of the CTA's walk.
 template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, class Walk>
 CF_DEVICE void consume(const BwdParams& p, u32 smem, const Barriers& bars, int group, const Walk& walk) {
-    for_each_tile<T, kCausal>(p, walk, [&](int n_block, int head, int batch, int tile, int steps_before) {
+    for_each_tile<T, kCausal, true>(p, walk, [&](int n_block, int head, int batch, int tile, int steps_before) {
         consume_tile<T, kCausal, kBf16, kGqa, kDeterministic, Walk::kPersistent>(p, smem, bars, group, n_block, head,
                                                                                  batch, tile, steps_before);
     });
@@ -960,7 +972,7 @@ CF_DEVICE void consume_split_tile(const BwdParams& p, u32 smem, const Barriers& 
 
 template <class T, bool kCausal, bool kBf16, bool kGqa, bool kDeterministic, int kGroup, class Walk>
 CF_DEVICE void consume_split(const BwdParams& p, u32 smem, const Barriers& bars, const Walk& walk) {
-    for_each_tile<T, kCausal>(p, walk, [&](int n_block, int head, int batch, int tile, int steps_before) {
+    for_each_tile<T, kCausal, true>(p, walk, [&](int n_block, int head, int batch, int tile, int steps_before) {
         consume_split_tile<T, kCausal, kBf16, kGqa, kDeterministic, kGroup>(p, smem, bars, n_block, head, batch, tile,
                                                                             steps_before);
     });
@@ -972,10 +984,10 @@ CF_DEVICE void run_roles(const BwdParams& p, u32 smem, const Barriers& bars, con
     // The group index as warp-uniform: the consumers' K and V rows and their wgmma descriptors then
     // stay in uniform registers instead of being rebuilt per wgmma in vector registers and copied
     // over (R2UR): d128 step loop 647 -> 539 SASS instructions, d64 936 -> 866; kernel A/B +3-8% at
-    // non-causal d128 4k-16k and d64 2k, +10% at d64 causal 8k. The persistent walk's stage index
-    // comes from shared memory and stays in vector registers either way; there it measured -1..-3%
-    // (d128 non-causal 1k-2k), so that kernel keeps the plain index.
-    const int group = Walk::kPersistent ? (int)threadIdx.x / 128 : warp_uniform(threadIdx.x / 128);
+    // non-causal d128 4k-16k and d64 2k, +10% at d64 causal 8k. The persistent walk needs its
+    // place in the walk read the same way (for_each_tile's kFullWarp) as well: either alone left
+    // its descriptors in vector registers.
+    const int group = warp_uniform(threadIdx.x / 128);
     if (group == 0) {
         registers_release<kProducerRegs>();
         if (threadIdx.x == 0) produce_query_blocks<T, kCausal, kDeterministic>(p, smem, bars, walk);

@@ -138,7 +138,7 @@ class WgmmaBwdPassConfig:
 def all_configs() -> list:
     """Every instantiation a call can pick (the compile check builds them all)."""
     def grids(d: int, causal: bool, deterministic: bool) -> tuple[bool, ...]:  # persistent or not
-        return (False, True) if (d, causal) in PERSISTENT_SEQLENS and not deterministic else (False,)
+        return (False, True) if (d, causal) in PERSISTENT_ABOVE and not deterministic else (False,)
 
     return [WgmmaBwdConfig(d, causal, dtype, gqa, deterministic, persistent=persistent)
             for d in HEAD_DIMS for dtype in SUPPORTED_DTYPES for causal in (False, True) for gqa in (False, True)
@@ -202,18 +202,18 @@ def _ptr(x):
     return np.uint64(x)
 
 
-#: The calls (by the longer of seqlen_q and seqlen_k: shortest < length <= longest) that run the
-#: persistent grid, per kernel head dim and mask. Kernel A/B on an H200 (3 rounds in turn of 0.4 s
-#: sustained runs, at the board's power limit from 4k: what a training loop sees), persistent against
-#: one CTA per tile: d128 causal +1.4% at 1k, +2.4% at 2k, +1.6% at 4k, +1.1% at 8k (fp16 +2.8% /
-#: +2.4% at 2k / 4k); d128 non-causal -2% at 1k, -3% at 2k, -3.6% at 4k (fp16 -3.3% at 2k).
-#: Short turns (2 ms, boost clocks) had measured non-causal even to +4% at 1k-2k and causal -2% at
-#: 512, within their spread of several percent; on the persistent grid d64 lost 3-16% and d256 2-6%
-#: (both masks, 1k-16k, short turns).
-#: Causal tiles gain from the walk's pairs of key blocks j and n_blocks - 1 - j, which even out
-#: their uneven step counts where one-tile CTAs end in a ragged last round, and from loading the
-#: next tile's K and V while the previous one's dK and dV are stored.
-PERSISTENT_SEQLENS = {(128, True): (512, 8192)}
+#: The kernel head dims and masks whose calls run the persistent grid once the longer of seqlen_q
+#: and seqlen_k exceeds the given length. Kernel A/B on an H200 (3 rounds in turn of 0.4 s sustained
+#: runs, at the board's power limit from 4k: what a training loop sees), persistent against one CTA
+#: per tile: d128 causal -0.2% at 512, +1.4% at 1k, +2.4% at 2k, +1.6% at 4k, +1.1% at 8k, +4.9% at
+#: 16k (fp16 +2.8% / +2.4% at 2k / 4k; 4k and 16k on the walk read warp-uniform: +3.4%, +4.9%);
+#: d128 non-causal -2% at 1k, -3% at 2k, -3.6% at 4k (fp16 -3.3% at 2k). Short turns (2 ms, boost
+#: clocks) had measured non-causal even to +4% at 1k-2k and causal -2% at 512, within their spread
+#: of several percent; on the persistent grid d64 lost 3-16% and d256 2-6% (both masks, 1k-16k,
+#: short turns). Causal tiles gain from the walk's pairs of key blocks j and n_blocks - 1 - j, which
+#: even out their uneven step counts where one-tile CTAs end in a ragged last round, and from
+#: loading the next tile's K and V while the previous one's dK and dV are stored.
+PERSISTENT_ABOVE = {(128, True): 512}
 
 
 #: The persistent walk keeps a thread's place in one 32-bit word (tile index << 3, flash_bwd_sm90.cu's
@@ -224,13 +224,13 @@ MAX_PERSISTENT_UNITS = 1 << 27
 def persistent_grid(head_dim: int, causal: bool, deterministic: bool, seqlen: int | None) -> bool:
     """Whether a call runs the persistent grid (one CTA per SM walking units of key blocks, the next
     tile's K and V loaded as soon as the previous tile's dK and dV no longer need them; PersistentWalk in
-    flash_bwd_sm90.cu): short calls (`seqlen`, see PERSISTENT_SEQLENS; None: long or unknown) at
-    the kernel head dims and masks that gain from it, not in deterministic mode (whose turns follow
-    the order one-tile CTAs start in)."""
-    if deterministic or seqlen is None:
+    flash_bwd_sm90.cu): at the kernel head dims and masks that gain from it, calls longer than
+    PERSISTENT_ABOVE gives (`seqlen`, the longer length; None: long or unknown), not in
+    deterministic mode (whose turns follow the order one-tile CTAs start in)."""
+    shortest = PERSISTENT_ABOVE.get((head_dim, causal))
+    if deterministic or shortest is None:
         return False
-    shortest, longest = PERSISTENT_SEQLENS.get((head_dim, causal), (0, 0))
-    return shortest < seqlen <= longest
+    return seqlen is None or seqlen > shortest
 
 
 def main_grid(config: WgmmaBwdConfig, n_blocks: int, units: int, h: int, b: int,
