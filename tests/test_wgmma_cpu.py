@@ -783,8 +783,8 @@ def test_causal_backward_calls_above_512_run_a_persistent_grid(monkeypatch, d, c
 
 def test_the_persistent_backward_is_its_own_instantiation():
     """The persistent grid is a template flag with its own cache entry; deterministic mode never uses it
-    (its turns follow the order one-tile CTAs start in), and every head dim and mask that a short call
-    runs persistent has both instantiations."""
+    (its turns follow the order one-tile CTAs start in), and every head dim and mask that a call may
+    run persistent has both instantiations."""
     per_tile = wgmma_bwd.WgmmaBwdConfig(128, True, "bfloat16", False)
     persistent = wgmma_bwd.WgmmaBwdConfig(128, True, "bfloat16", False, persistent=True)
     assert per_tile.template_name().endswith("false, false>") and persistent.template_name().endswith("false, true>")

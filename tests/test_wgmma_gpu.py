@@ -152,11 +152,12 @@ def test_causal_tiles_that_see_no_key(ran, head_dim, sq, sk):
 @hopper_only
 @pytest.mark.parametrize("head_dim, b, sq, sk, heads, heads_kv", [
     (128, 2, 2000, 1700, 8, 8), (120, 2, 2100, 161, 8, 2), (64, 3, 1500, 1500, 8, 8), (64, 3, 1200, 200, 8, 4),
-    (256, 4, 1000, 1000, 8, 8), (96, 4, 900, 777, 8, 8), (192, 2, 1900, 2100, 8, 1), (32, 6, 1100, 1000, 8, 8)])
+    (256, 4, 1000, 1000, 8, 8), (96, 4, 900, 777, 8, 8), (192, 2, 1900, 2100, 8, 1), (32, 6, 1100, 1000, 8, 8),
+    (128, 1, 8200, 8300, 4, 4)])
 def test_split_tails_match(monkeypatch, ran, head_dim, b, sq, sk, heads, heads_kv):
     """Non-causal calls with more tiles than SMs, the tail split wherever it can be (a tile's key
     blocks cut between two CTAs, one handing its rows over, the other folding them in): wide key
-    blocks, two key blocks per tile, three consumer groups, GQA, the staged output of short calls
+    blocks (160 keys, and 192 from 8k), two key blocks per tile, three consumer groups, GQA, the staged output of short calls
     (above head dim 128 over the V stages). Against the fp32 reference, and against the same call
     without a split (not the same bits: the cut tile sums its keys in another order)."""
     import cupy as cp
@@ -448,7 +449,7 @@ def test_the_deterministic_hopper_backward_gives_the_same_bits_every_run(monkeyp
     (128, True, 24, 1024, 1024, 16, 8), (128, True, 5, 900, 1000, 31, 31), (128, True, 3, 2000, 1900, 16, 16),
     (128, True, 2, 5000, 4100, 16, 16), (128, True, 1, 8192, 8192, 16, 16)])
 def test_the_persistent_hopper_backward_walks_many_tiles_per_cta(monkeypatch, d, causal, b, sq, sk, h, hk):
-    """Causal calls at head dim 128 up to 8k run the persistent grid: with more units of two key blocks
+    """Causal calls at head dim 128 longer than 512 run the persistent grid: with more units of two key blocks
     than SMs each CTA walks several tiles (its K/V reloaded between them, its Q/dO pipeline and dQ
     reductions running on across tiles; odd key-block counts leave a middle block alone). Gradients
     within FA2's rule, and dK/dV the same bits as the one-CTA-per-tile grid's (each tile computes

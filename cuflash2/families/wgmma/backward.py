@@ -205,14 +205,15 @@ def _ptr(x):
 #: The kernel head dims and masks whose calls run the persistent grid once the longer of seqlen_q
 #: and seqlen_k exceeds the given length. Kernel A/B on an H200 (3 rounds in turn of 0.4 s sustained
 #: runs, at the board's power limit from 4k: what a training loop sees), persistent against one CTA
-#: per tile: d128 causal -0.2% at 512, +1.4% at 1k, +2.4% at 2k, +1.6% at 4k, +1.1% at 8k, +4.9% at
-#: 16k (fp16 +2.8% / +2.4% at 2k / 4k; 4k and 16k on the walk read warp-uniform: +3.4%, +4.9%);
-#: d128 non-causal -2% at 1k, -3% at 2k, -3.6% at 4k (fp16 -3.3% at 2k). Short turns (2 ms, boost
-#: clocks) had measured non-causal even to +4% at 1k-2k and causal -2% at 512, within their spread
-#: of several percent; on the persistent grid d64 lost 3-16% and d256 2-6% (both masks, 1k-16k,
-#: short turns). Causal tiles gain from the walk's pairs of key blocks j and n_blocks - 1 - j, which
-#: even out their uneven step counts where one-tile CTAs end in a ragged last round, and from
-#: loading the next tile's K and V while the previous one's dK and dV are stored.
+#: per tile at d128: with the walk read warp-uniform (the current kernel), causal -0.2% at 512,
+#: +3.7% at 4k and 16k; with the kernel before it, causal -0.7% at 512, +1.4% at 1k, +2.4% at 2k,
+#: +0.7-1.7% at 4k, +1.1% at 8k, +3.6% at 16k (fp16 +2.8% / +2.4% at 2k / 4k), non-causal -2% at
+#: 1k, -3% at 2k, -3.6% at 4k (fp16 -3.3% at 2k). Short turns (2 ms, boost clocks) had measured
+#: non-causal even to +4% at 1k-2k, within their spread of several percent; on the persistent grid
+#: d64 lost 3-16% and d256 2-6% (both masks, 1k-16k, short turns). Causal tiles gain from the
+#: walk's pairs of key blocks j and n_blocks - 1 - j, which even out their uneven step counts where
+#: one-tile CTAs end in a ragged last round, and from loading the next tile's K and V while the
+#: previous one's dK and dV are stored.
 PERSISTENT_ABOVE = {(128, True): 512}
 
 

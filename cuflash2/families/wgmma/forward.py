@@ -146,10 +146,10 @@ WIDE_BLOCK_N = 160
 #: Key block of non-causal calls at head dim 128 from WIDEST_SEQLEN (the longer length) up. Kernel
 #: A/B on an H200 in sustained turns (3 rounds in turn of 0.4 s, bf16), 192 against 160 / 128 keys:
 #: 8k 635 against 607 / 617 TFLOP/s, 16k 642 against 628 / 623. At 2k-4k it trailed the best by
-#: 1-1.5%: the last block's padding is a larger share of a row there (64 of 4224 keys at 4k).
+#: 1-1.5%: the last block's padding is a larger share of a row there (128 of 4224 keys at 4k).
 WIDEST_BLOCK_N = 192
 WIDEST_SEQLEN = 8192
-#: One length of each class forward_config tells apart (None: long or unknown).
+#: One length of each class forward_config tells apart (None: a long call of unknown length).
 SEQLEN_CLASSES = (None, SHORT_SEQLEN, WIDEST_SEQLEN)
 
 
