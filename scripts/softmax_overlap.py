@@ -55,9 +55,9 @@ def softmax_sides(lines: list[str]) -> list[tuple[int, int]]:
 
 def forward_configs(head_dims) -> list:
     """The bf16 forward instantiations a call at these head dims can pick (causal or not, each
-    length class)."""
-    return list(dict.fromkeys(forward.forward_config(d, "bfloat16", causal, seqlen=seqlen) for d in head_dims
-                              for causal in (False, True) for seqlen in forward.SEQLEN_CLASSES))
+    length class): forward.all_configs() at the kernel head dims they round up to."""
+    kernel_dims = {-(-d // 16) * 16 for d in head_dims}
+    return [c for c in forward.all_configs() if c.head_dim in kernel_dims and c.dtype == "bfloat16"]
 
 
 def main() -> int:
