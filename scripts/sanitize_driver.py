@@ -183,8 +183,9 @@ for b, sq, sk, h, hk, d, causal, dtype in [(1, 200, 330, 2, 1, 128, True, ml_dty
                                            (2, 1100, 1100, 8, 8, 128, False, np.float16),
                                            (4, 600, 300, 8, 8, 256, True, np.float16),
                                            # 8k keys and up at head dim 128: 192-key blocks, the
-                                           # last one partial
-                                           (1, 300, 8300, 2, 1, 128, False, ml_dtypes.bfloat16)]:
+                                           # last one partial, causal or not
+                                           (1, 300, 8300, 2, 1, 128, False, ml_dtypes.bfloat16),
+                                           (1, 300, 8300, 2, 1, 128, True, np.float16)]:
     q, k, v = arrays((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), dtype=dtype)
     out = cp.zeros(q.shape, q.dtype)  # read below: zero-filled first (see forward_for_backward)
     for _ in range(2):

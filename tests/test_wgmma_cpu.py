@@ -57,10 +57,10 @@ def test_short_calls_above_head_dim_64_stage_the_output_beside_v_up_to_128_and_o
         assert chosen[-1].staged_output == staged, (seqlen_q, seqlen_k)
 
 
-def test_long_non_causal_calls_at_head_dim_128_take_wider_key_blocks():
-    """Head dims 113-128, non-causal, longer than SHORT_SEQLEN or of unknown length: 160-key blocks,
-    from WIDEST_SEQLEN 192 (measured faster there); short or causal calls and other head dims keep
-    their blocks."""
+def test_long_calls_at_head_dim_128_take_wider_key_blocks():
+    """Head dims 113-128: non-causal calls longer than SHORT_SEQLEN or of unknown length take 160-key
+    blocks, and every call from WIDEST_SEQLEN, causal or not, 192 (measured faster there); shorter
+    causal calls, short calls and other head dims keep their blocks."""
     long, short = wgmma_fwd.SHORT_SEQLEN + 1, wgmma_fwd.SHORT_SEQLEN
     for d in (120, 128):
         for seqlen in (long, wgmma_fwd.WIDEST_SEQLEN - 1, None):
@@ -68,10 +68,12 @@ def test_long_non_causal_calls_at_head_dim_128_take_wider_key_blocks():
             assert config.block_n == wgmma_fwd.WIDE_BLOCK_N == 160 and config.groups == 2, config
             assert not config.staged_output and config in wgmma_fwd.all_configs()
         for seqlen in (wgmma_fwd.WIDEST_SEQLEN, 1 << 20):
-            config = wgmma_fwd.forward_config(d, "bfloat16", False, seqlen=seqlen)
-            assert config.block_n == wgmma_fwd.WIDEST_BLOCK_N == 192 and config.groups == 2, config
-            assert config.smem_bytes <= wgmma_fwd.SMEM_LIMIT and config in wgmma_fwd.all_configs()
-        assert wgmma_fwd.forward_config(d, "bfloat16", True, seqlen=1 << 20).block_n == 128
+            for causal in (False, True):
+                config = wgmma_fwd.forward_config(d, "bfloat16", causal, seqlen=seqlen)
+                assert config.block_n == wgmma_fwd.WIDEST_BLOCK_N == 192 and config.groups == 2, config
+                assert config.smem_bytes <= wgmma_fwd.SMEM_LIMIT and config in wgmma_fwd.all_configs()
+        assert wgmma_fwd.forward_config(d, "bfloat16", True, seqlen=wgmma_fwd.WIDEST_SEQLEN - 1).block_n == 128
+        assert wgmma_fwd.forward_config(d, "bfloat16", True, seqlen=None).block_n == 128
         assert wgmma_fwd.forward_config(d, "bfloat16", False, seqlen=short).block_n == 128
         assert wgmma_fwd.forward_config(d, "bfloat16", True, seqlen=long).block_n == 128
     assert wgmma_fwd.forward_config(96, "bfloat16", False, seqlen=long).block_n == 128

@@ -96,17 +96,19 @@ def test_long_non_causal_calls_on_wide_key_blocks(ran, head_dim, sq, sk, dtype):
 
 @hopper_only
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("sq, sk", [(8192, 8192), (8200, 8500), (700, 9000)])
-def test_non_causal_calls_from_8k_on_the_widest_key_blocks(ran, sq, sk, dtype):
-    """Non-causal calls at head dim 128 from 8k keys or queries run 192-key blocks: key lengths that
-    are and are not multiples of them, a partial last query tile, fewer query tiles than SMs."""
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk", [(8192, 8192), (8200, 8500), (700, 9000), (9000, 700)])
+def test_calls_from_8k_on_the_widest_key_blocks(ran, sq, sk, causal, dtype):
+    """Calls at head dim 128 from 8k keys or queries run 192-key blocks: key lengths that are and are
+    not multiples of them, a partial last query tile, fewer query tiles than SMs, and (causal, more
+    queries than keys) rows that see no key."""
     import cupy as cp
 
     from cuflash2.families.wgmma import forward as wgmma_forward
 
-    assert wgmma_forward.forward_config(128, "bfloat16", False, seqlen=max(sq, sk)).block_n == 192
+    assert wgmma_forward.forward_config(128, "bfloat16", causal, seqlen=max(sq, sk)).block_n == 192
     q, k, v = make_inputs(cp, 1, sq, sk, 4, 2, 128, dtype, stable_seed("wgmma-widest", sq, sk, dtype))
-    check_forward(cp, q, k, v, False)
+    check_forward(cp, q, k, v, causal)
     assert ran == {"wgmma": 1, "mma_sync": 0}
 
 

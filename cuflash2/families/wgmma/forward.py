@@ -143,10 +143,12 @@ SHORT_SEQLEN = 1024
 #: 2k, +0-4% at 4k, +2% at 8k, +3% at 16k; fp16 +2-3%. Short calls (staged output) lost 6-15%, and
 #: causal ones 0-3% at 2k (with fewer rows per diagonal, more keys per block are masked).
 WIDE_BLOCK_N = 160
-#: Key block of non-causal calls at head dim 128 from WIDEST_SEQLEN (the longer length) up. Kernel
-#: A/B on an H200 in sustained turns (3 rounds in turn of 0.4 s, bf16), 192 against 160 / 128 keys:
-#: 8k 635 against 607 / 617 TFLOP/s, 16k 642 against 628 / 623. At 2k-4k it trailed the best by
-#: 1-1.5%: the last block's padding is a larger share of a row there (128 of 4224 keys at 4k).
+#: Key block of calls at head dim 128 from WIDEST_SEQLEN (the longer length) up, causal or not.
+#: Kernel A/B on an H200 in sustained turns (3 rounds in turn of 0.4 s, bf16), 192 against 160 / 128
+#: keys: non-causal 8k 635 against 607 / 617 TFLOP/s, 16k 642 against 628 / 623; causal 8k 579
+#: against 569 / 580, 16k 620 against 597 / 597 (fp16 against 128: 8k 561 / 555, 16k 578 / 569).
+#: At 2k-4k it trailed the best by 1-1.5%: the last block's padding is a larger share of a row
+#: there (128 of 4224 keys at 4k), and a causal row's diagonal masks more keys per block.
 WIDEST_BLOCK_N = 192
 WIDEST_SEQLEN = 8192
 #: One length of each class forward_config tells apart (None: a long call of unknown length).
@@ -159,14 +161,16 @@ def forward_config(head_dim: int, dtype: str, causal: bool, hang_check: bool = F
     160 registers each hold S, P and O, except on short causal calls (`seqlen`: the longer of the
     query and key lengths, see SHORT_SEQLEN); two (128 rows, 240 registers) above. Key blocks
     as wide as shared memory (Q tile + two stages of K and V) and registers allow and measured
-    fastest: 128 keys up to head dim 128 (on long non-causal calls at 128, 160 and from 8k 192:
-    WIDE_BLOCK_N, WIDEST_BLOCK_N), 96 up to 192, 80 above. Short calls above head dim 64 stage the
+    fastest: 128 keys up to head dim 128 (at 128: 160 on long non-causal calls, WIDE_BLOCK_N, and
+    192 on all calls from 8k, WIDEST_BLOCK_N), 96 up to 192, 80 above. Short calls above head dim 64 stage the
     output for TMA stores."""
     padded = -(-head_dim // 16) * 16
     short = seqlen is not None and seqlen <= SHORT_SEQLEN
     groups = 3 if padded <= 64 and not (causal and short) else 2
-    if padded == 128 and not causal and not short:
-        block_n = WIDEST_BLOCK_N if seqlen is not None and seqlen >= WIDEST_SEQLEN else WIDE_BLOCK_N
+    if padded == 128 and seqlen is not None and seqlen >= WIDEST_SEQLEN:
+        block_n = WIDEST_BLOCK_N
+    elif padded == 128 and not causal and not short:
+        block_n = WIDE_BLOCK_N
     else:
         block_n = 128 if padded <= 128 else 96 if padded <= 192 else 80
     return WgmmaFwdConfig(padded, block_n, groups, causal, dtype, hang_check, staged_output=short and padded > 64)
