@@ -58,9 +58,9 @@ def test_short_calls_above_head_dim_64_stage_the_output_beside_v_up_to_128_and_o
 
 
 def test_long_calls_at_head_dim_128_take_wider_key_blocks():
-    """Head dims 113-128: non-causal calls longer than SHORT_SEQLEN or of unknown length take 160-key
-    blocks, and every call from WIDEST_SEQLEN, causal or not, 192 (measured faster there); shorter
-    causal calls, short calls and other head dims keep their blocks."""
+    """Head dims 113-128: non-causal calls longer than SHORT_SEQLEN or of unknown length take
+    160-key blocks, and every call from WIDEST_SEQLEN, causal or not, 192 (measured faster there);
+    shorter causal calls, short calls and other head dims keep their blocks."""
     long, short = wgmma_fwd.SHORT_SEQLEN + 1, wgmma_fwd.SHORT_SEQLEN
     for d in (120, 128):
         for seqlen in (long, wgmma_fwd.WIDEST_SEQLEN - 1, None):

@@ -99,9 +99,9 @@ def test_long_non_causal_calls_on_wide_key_blocks(ran, head_dim, sq, sk, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq, sk", [(8192, 8192), (8200, 8500), (700, 9000), (9000, 700)])
 def test_calls_from_8k_on_the_widest_key_blocks(ran, sq, sk, causal, dtype):
-    """Calls at head dim 128 from 8k keys or queries run 192-key blocks: key lengths that are and are
-    not multiples of them, a partial last query tile, fewer query tiles than SMs, and (causal, more
-    queries than keys) rows that see no key."""
+    """Calls at head dim 128 from 8k keys or queries run 192-key blocks: partly filled last key
+    blocks, a partial last query tile, fewer query tiles than SMs, and (causal, more queries than
+    keys) rows that see no key."""
     import cupy as cp
 
     from cuflash2.families.wgmma import forward as wgmma_forward

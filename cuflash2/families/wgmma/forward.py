@@ -162,8 +162,8 @@ def forward_config(head_dim: int, dtype: str, causal: bool, hang_check: bool = F
     query and key lengths, see SHORT_SEQLEN); two (128 rows, 240 registers) above. Key blocks
     as wide as shared memory (Q tile + two stages of K and V) and registers allow and measured
     fastest: 128 keys up to head dim 128 (at 128: 160 on long non-causal calls, WIDE_BLOCK_N, and
-    192 on all calls from 8k, WIDEST_BLOCK_N), 96 up to 192, 80 above. Short calls above head dim 64 stage the
-    output for TMA stores."""
+    192 on all calls from 8k, WIDEST_BLOCK_N), 96 up to 192, 80 above. Short calls above head dim
+    64 stage the output for TMA stores."""
     padded = -(-head_dim // 16) * 16
     short = seqlen is not None and seqlen <= SHORT_SEQLEN
     groups = 3 if padded <= 64 and not (causal and short) else 2
