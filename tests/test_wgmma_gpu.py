@@ -159,9 +159,10 @@ def test_causal_tiles_that_see_no_key(ran, head_dim, sq, sk):
 def test_split_tails_match(monkeypatch, ran, head_dim, b, sq, sk, heads, heads_kv):
     """Non-causal calls with more tiles than SMs, the tail split wherever it can be (a tile's key
     blocks cut between two CTAs, one handing its rows over, the other folding them in): wide key
-    blocks (160 keys, and 192 from 8k), two key blocks per tile, three consumer groups, GQA, the staged output of short calls
-    (above head dim 128 over the V stages). Against the fp32 reference, and against the same call
-    without a split (not the same bits: the cut tile sums its keys in another order)."""
+    blocks (160 keys, and 192 from 8k), two key blocks per tile, three consumer groups, GQA, the
+    staged output of short calls (above head dim 128 over the V stages). Against the fp32
+    reference, and against the same call without a split (not the same bits: the cut tile sums its
+    keys in another order)."""
     import cupy as cp
 
     from cuflash2.families.wgmma import forward as wgmma_forward
