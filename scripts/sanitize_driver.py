@@ -180,6 +180,8 @@ for b, sq, sk, h, hk, d, causal, dtype in [(1, 200, 330, 2, 1, 128, True, ml_dty
                                            # causal, 512 tiles: the next tile's Q loads during a tile
                                            (3, 900, 300, 8, 8, 32, True, np.float16),  # and rows with no key
                                            (2, 1100, 1100, 8, 2, 256, True, ml_dtypes.bfloat16),
+                                           # 144 tiles: the epilogue under the next tile's first S
+                                           (2, 1100, 1100, 8, 2, 128, True, np.float16),
                                            (2, 1100, 1100, 8, 8, 128, False, np.float16),
                                            (4, 600, 300, 8, 8, 256, True, np.float16),
                                            # 8k keys and up at head dim 128: 192-key blocks, the

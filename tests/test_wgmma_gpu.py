@@ -113,6 +113,20 @@ def test_calls_from_8k_on_the_widest_key_blocks(ran, sq, sk, causal, dtype):
 
 
 @hopper_only
+@pytest.mark.parametrize("head_dim", [96, 128, 192, 256])
+@pytest.mark.parametrize("sk", [8191, 8192])
+def test_both_tile_boundaries_of_non_causal_calls(ran, head_dim, sk):
+    """From 8192 keys on, a non-causal tile's epilogue runs under the next tile's first Q K^T (as
+    every causal tile's does), below it between the two: several tiles per CTA on each side of the
+    switch, a split tail, and a partial last key block."""
+    import cupy as cp
+
+    q, k, v = make_inputs(cp, 1, 2048, sk, 16, 4, head_dim, "bf16", stable_seed("wgmma-boundary", head_dim, sk))
+    check_forward(cp, q, k, v, False)
+    assert ran == {"wgmma": 1, "mma_sync": 0}
+
+
+@hopper_only
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -734,6 +734,21 @@ CF_DEVICE void take_over(float (&o)[Tl::kORegs], RowStats& stats, int group, con
     }
 }
 
+// Where a tile ends and the next one's Q shares its stage (head dims above 64), the epilogue either
+// runs between the tile's lone last P V and the next tile's lone first S (both warpgroups reach it
+// together, so the tensor cores idle through it: 1,400 of the 44,000 cycles a d128 tile of 2k keys
+// takes on an H200, and the first S and its softmax another 2,800), or, on the calls below, under
+// that S: P[lo] V[lo], the next S once its Q is in, then the epilogue. Kernel A/B on an H200 (5-7
+// rounds in turn) against the epilogue first: causal d128 +2-3% at 2k-8k (bf16 and fp16);
+// non-causal from 8k keys +2% at d128 and +2-3% at d256, but -2..-3% at 2k-4k and down to -5% at
+// d256 1k, so shorter non-causal calls keep the epilogue first. (Why is not known: loading Q a
+// tile early, with a second Q stage, left those losses as they were.)
+constexpr int kEpilogueUnderScoresSeqlen = 8192;
+template <bool kCausal>
+CF_DEVICE bool epilogue_under_scores(const FwdParams& p) {
+    return kCausal || p.seqlen_k >= kEpilogueUnderScoresSeqlen;
+}
+
 // The consumer warpgroup's walk. Per span, key blocks go from the last to the first: S of the last
 // block alone, then S of block n while P[n+1] V[n+1] accumulates, then P[lo] V[lo] alone, then the
 // epilogue (or the hand-over of a tile cut between two CTAs, see span_at). With two Q stages the
@@ -863,6 +878,39 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
             stats = next_stats;
 #pragma unroll
             for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+            pack_probabilities<kBlockN, kBf16>(s, pa);
+        } else if (epilogue_under_scores<kCausal>(p) && cur.has_keys() && next.valid && next.has_keys() &&
+                   span_role<kCausal, Tl::kBlockM, Tl::kBlockN>(cur, p) == kWholeRows) {
+            // P[lo] V[lo], then the next tile's first S once its Q is in, and this tile's epilogue
+            // while that S runs.
+            mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
+            rescale_output();
+            take_turn(group);
+            register_fence(o);
+            register_fence(pa);
+            issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
+            pass_turn<Tl::kGroups>(group);
+            mbarrier_wait(bars.q_full(q_state.stage()), q_state.phase());
+            mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
+            take_turn(group);
+            issue_scores<Tl, kBf16>(s, q_rows(), k_tiles + k_state.stage() * Tl::kKVBytes);
+            pass_turn<Tl::kGroups>(group);
+            wgmma_wait<1>();
+            register_fence(o);
+            release(bars.v_empty(v_state.stage()), lane);
+            v_state.advance();
+            store_tile(cur, true);
+            stats = RowStats();
+#pragma unroll
+            for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+            wgmma_wait<0>();
+            register_fence(s);
+            release(bars.k_empty(k_state.stage()), lane);
+            k_state.advance();
+            if (next.hi - next.lo == 1) release_q();
+            fold_block<Tl, kCausal>(s, next.hi - 1, next.m_block,
+                                    ThreadRows<Tl::kBlockM>(next.m_block, group, warp, lane).row, lane, stats, scale, p);
+            scale[0] = scale[1] = 1.f;  // O is still zero
             pack_probabilities<kBlockN, kBf16>(s, pa);
         } else {
             if (cur.has_keys()) {  // P[lo] V[lo] alone
