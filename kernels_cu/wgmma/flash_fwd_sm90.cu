@@ -753,8 +753,9 @@ CF_DEVICE bool epilogue_under_scores(const FwdParams& p) {
 // block alone, then S of block n while P[n+1] V[n+1] accumulates, then P[lo] V[lo] alone, then the
 // epilogue (or the hand-over of a tile cut between two CTAs, see span_at). With two Q stages the
 // tile boundary is one step like the others: the next tile's first S runs with this tile's last
-// P V, and the epilogue follows while nothing waits on it. The epilogue's TMA stores run on while
-// the next tile starts.
+// P V, and the epilogue follows while nothing waits on it. With one, on the calls of
+// epilogue_under_scores, P[lo] V[lo] and then the next tile's first S are issued, and the epilogue
+// runs under that S. The epilogue's TMA stores run on while the next tile starts.
 template <class Tl, bool kCausal, bool kBf16>
 CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, int group) {
     constexpr int kBlockN = Tl::kBlockN, kORegs = Tl::kORegs;
@@ -797,14 +798,16 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         else
             store_rows<kORegs, kBf16>(o, stats, rows.row, lane, tile, p);
     };
-    // S of a tile's last key block alone (nothing to overlap it with), folded into fresh statistics.
-    auto first_block = [&](const ConsumerTile& t) {
+    // S of a tile's last key block, on the group's turn once its Q and K are in.
+    auto issue_first_scores = [&]() {
         mbarrier_wait(bars.q_full(q_state.stage()), q_state.phase());
         mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
         take_turn(group);
         issue_scores<Tl, kBf16>(s, q_rows(), k_tiles + k_state.stage() * Tl::kKVBytes);
         pass_turn<Tl::kGroups>(group);
-        wgmma_wait<0>();
+    };
+    // That S complete (the caller waited): its K stage released, folded into fresh statistics.
+    auto fold_first_block = [&](const ConsumerTile& t) {
         register_fence(s);
         release(bars.k_empty(k_state.stage()), lane);
         k_state.advance();
@@ -813,6 +816,12 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
                                 lane, stats, scale, p);
         scale[0] = scale[1] = 1.f;  // O is still zero
         pack_probabilities<kBlockN, kBf16>(s, pa);
+    };
+    // S of a tile's last key block alone (nothing to overlap it with).
+    auto first_block = [&](const ConsumerTile& t) {
+        issue_first_scores();
+        wgmma_wait<0>();
+        fold_first_block(t);
     };
     // O brought to the row maxima of the block folded last (`scale`) before the P V that adds that
     // block: in the key loop while the tensor cores run this step's Q K^T, not between the softmax
@@ -838,6 +847,16 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         register_fence(s);
         release(bars.k_empty(k_state.stage()), lane);
         k_state.advance();
+    };
+    // P[lo] V[lo], the tile's last P V, on the group's turn once its V is in.
+    auto issue_last_values = [&]() {
+        mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
+        rescale_output();
+        take_turn(group);
+        register_fence(o);
+        register_fence(pa);
+        issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
+        pass_turn<Tl::kGroups>(group);
     };
     // P V complete: its V stage released.
     auto finish_values = [&]() {
@@ -883,18 +902,8 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
                    span_role<kCausal, Tl::kBlockM, Tl::kBlockN>(cur, p) == kWholeRows) {
             // P[lo] V[lo], then the next tile's first S once its Q is in, and this tile's epilogue
             // while that S runs.
-            mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
-            rescale_output();
-            take_turn(group);
-            register_fence(o);
-            register_fence(pa);
-            issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
-            pass_turn<Tl::kGroups>(group);
-            mbarrier_wait(bars.q_full(q_state.stage()), q_state.phase());
-            mbarrier_wait(bars.k_full(k_state.stage()), k_state.phase());
-            take_turn(group);
-            issue_scores<Tl, kBf16>(s, q_rows(), k_tiles + k_state.stage() * Tl::kKVBytes);
-            pass_turn<Tl::kGroups>(group);
+            issue_last_values();
+            issue_first_scores();
             wgmma_wait<1>();
             register_fence(o);
             release(bars.v_empty(v_state.stage()), lane);
@@ -904,23 +913,10 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
 #pragma unroll
             for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
             wgmma_wait<0>();
-            register_fence(s);
-            release(bars.k_empty(k_state.stage()), lane);
-            k_state.advance();
-            if (next.hi - next.lo == 1) release_q();
-            fold_block<Tl, kCausal>(s, next.hi - 1, next.m_block,
-                                    ThreadRows<Tl::kBlockM>(next.m_block, group, warp, lane).row, lane, stats, scale, p);
-            scale[0] = scale[1] = 1.f;  // O is still zero
-            pack_probabilities<kBlockN, kBf16>(s, pa);
+            fold_first_block(next);
         } else {
             if (cur.has_keys()) {  // P[lo] V[lo] alone
-                mbarrier_wait(bars.v_full(v_state.stage()), v_state.phase());
-                rescale_output();
-                take_turn(group);
-                register_fence(o);
-                register_fence(pa);
-                issue_values<Tl, kBf16>(o, pa, v_tiles + v_state.stage() * Tl::kKVBytes);
-                pass_turn<Tl::kGroups>(group);
+                issue_last_values();
                 wgmma_wait<0>();
                 register_fence(o);
                 release(bars.v_empty(v_state.stage()), lane);
