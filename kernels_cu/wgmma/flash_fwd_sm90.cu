@@ -740,9 +740,9 @@ CF_DEVICE void take_over(float (&o)[Tl::kORegs], RowStats& stats, int group, con
 // takes on an H200, and the first S and its softmax another 2,800), or, on the calls below, under
 // that S: P[lo] V[lo], the next S once its Q is in, then the epilogue. Kernel A/B on an H200 (5-7
 // rounds in turn) against the epilogue first: causal d128 +2-3% at 2k-8k (bf16 and fp16);
-// non-causal from 8k keys +2% at d128 and +2-3% at d256, but -2..-3% at 2k-4k and down to -5% at
-// d256 1k, so shorter non-causal calls keep the epilogue first. (Why is not known: loading Q a
-// tile early, with a second Q stage, left those losses as they were.)
+// non-causal from 8k keys +2% at d128 and +2-3% at d256, but -1..-3% at 1k-4k (fp16 d256 1k -5%),
+// so shorter non-causal calls keep the epilogue first. (Why is not known: loading Q a tile early,
+// with a second Q stage, left those losses as they were; docs/design-notes.md has a lead.)
 constexpr int kEpilogueUnderScoresSeqlen = 8192;
 template <bool kCausal>
 CF_DEVICE bool epilogue_under_scores(const FwdParams& p) {
