@@ -117,8 +117,8 @@ def test_calls_from_8k_on_the_widest_key_blocks(ran, sq, sk, causal, dtype):
 @pytest.mark.parametrize("sk", [8191, 8192])
 def test_both_tile_boundaries_of_non_causal_calls(ran, head_dim, sk):
     """From 8192 keys on, a non-causal tile's epilogue runs under the next tile's first Q K^T (as
-    every causal tile's does), below it between the two: several tiles per CTA on each side of the
-    switch, a split tail, and a partial last key block."""
+    every causal tile's does), below it between the two: on each side of the switch 256 tiles, so
+    that on 132 SMs most CTAs run two, and partial last key blocks."""
     import cupy as cp
 
     q, k, v = make_inputs(cp, 1, 2048, sk, 16, 4, head_dim, "bf16", stable_seed("wgmma-boundary", head_dim, sk))
