@@ -72,15 +72,25 @@ def time_cuda_ms(fn, warmup: int = 5, repeats: int = 20, flush_l2_bytes: int = 0
     """
     import cupy as cp
 
-    stream = cp.cuda.get_current_stream()
     scratch = cp.empty(flush_l2_bytes, dtype=cp.uint8) if flush_l2_bytes else None
-    calls = 1 if scratch is not None else max(1, calls)
     for _ in range(warmup):
         fn()
+    if scratch is None:
+        return statistics.median(sample_times_ms(fn, repeats, max(1, calls)))
+    return statistics.median(sample_times_ms(fn, repeats, 1, before_sample=lambda: scratch.fill(1)))
+
+
+def sample_times_ms(fn, repeats: int, calls: int, before_sample=None, after_sample=None) -> list[float]:
+    """Milliseconds per fn() in each of `repeats` samples of `calls` back-to-back calls between two
+    CUDA events on CuPy's current stream, each sample waited for; `before_sample()` and
+    `after_sample()`, if given, run outside the timed span of each."""
+    import cupy as cp
+
+    stream = cp.cuda.get_current_stream()
     times = []
     for _ in range(repeats):
-        if scratch is not None:
-            scratch.fill(1)
+        if before_sample is not None:
+            before_sample()
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record(stream)
         for _ in range(calls):
@@ -88,7 +98,9 @@ def time_cuda_ms(fn, warmup: int = 5, repeats: int = 20, flush_l2_bytes: int = 0
         end.record(stream)
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end) / calls)
-    return statistics.median(times)
+        if after_sample is not None:
+            after_sample()
+    return times
 
 
 #: Implementations timed at the end of every round: cuDNN runs the GPU at its highest power, and the
@@ -159,11 +171,14 @@ class BoardMonitor:
         except (OSError, AttributeError):
             return
         self._nvml, self._handle, self._period = nvml, handle, period
-        self.available = self._read() is not None
+        self.available = self.read_now() is not None
         if self.available:
             threading.Thread(target=self._sample_forever, name="cuflash2-board-monitor", daemon=True).start()
 
-    def _read(self) -> tuple[float, float] | None:
+    def read_now(self) -> tuple[float, float] | None:
+        """(SM clock in MHz, board power in W) read now, None where NVML cannot be read."""
+        if getattr(self, "_nvml", None) is None:
+            return None
         clock, milliwatts = ctypes.c_uint(), ctypes.c_uint()
         if (self._nvml.nvmlDeviceGetClockInfo(self._handle, NVML_CLOCK_SM, ctypes.byref(clock)) != NVML_SUCCESS
                 or self._nvml.nvmlDeviceGetPowerUsage(self._handle, ctypes.byref(milliwatts)) != NVML_SUCCESS):
@@ -172,7 +187,7 @@ class BoardMonitor:
 
     def _sample_forever(self) -> None:
         while True:
-            reading = self._read()
+            reading = self.read_now()
             if reading is not None:
                 self.samples.append((time.monotonic(), *reading))
             time.sleep(self._period)

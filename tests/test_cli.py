@@ -390,6 +390,7 @@ def test_board_monitor_without_nvml_reads_nothing():
 
     monitor = bench.BoardMonitor("0000:00:00.0", library="libno-such-nvml.so")
     assert not monitor.available
+    assert monitor.read_now() is None
     assert all(math.isnan(x) for x in monitor.mean(0.0, 1e12))
     monitor.samples.extend([(1.0, 1500.0, 600.0), (2.0, 1700.0, 700.0), (3.0, 1900.0, 100.0)])
     assert monitor.mean(0.5, 2.5) == (1600.0, 650.0)  # the window's samples only
