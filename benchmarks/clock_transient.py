@@ -27,15 +27,6 @@ ORDERS = (("torch-cudnn", "cuflash2"), ("cuflash2", "torch-cudnn"), (None, "cufl
           ("torch-flash", "torch-cudnn"), ("cuflash2", "cuflash2"), ("torch-cudnn", "torch-cudnn"))
 
 
-def load(fn, seconds: float) -> None:
-    """Back-to-back calls for `seconds`, then a synchronisation."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < seconds:
-        for _ in range(10):
-            fn()
-        cp.cuda.Device().synchronize()
-
-
 def samples(fn, monitor, count: int, calls: int = 5) -> list[tuple[float, float]]:
     """(ms per call, SM clock in MHz read right after) of `count` samples of `calls` calls each."""
     clocks = []
@@ -83,7 +74,7 @@ def main() -> None:
                     if before is None:
                         time.sleep(1.0)
                     else:
-                        load(runs[before], 0.3)
+                        bench.time_sustained_ms(runs[before], 0.3, warmup=0)  # its load, not its time
                     series = samples(runs[timed], monitor, args.samples)
                     print(f"  {timed:12s} after {before or 'idle 1 s':12s} {groups(problem.flops, series)}", flush=True)
             del inputs, runs

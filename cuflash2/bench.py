@@ -73,11 +73,10 @@ def time_cuda_ms(fn, warmup: int = 5, repeats: int = 20, flush_l2_bytes: int = 0
     import cupy as cp
 
     scratch = cp.empty(flush_l2_bytes, dtype=cp.uint8) if flush_l2_bytes else None
+    flush = (lambda: scratch.fill(1)) if scratch is not None else None
     for _ in range(warmup):
         fn()
-    if scratch is None:
-        return statistics.median(sample_times_ms(fn, repeats, max(1, calls)))
-    return statistics.median(sample_times_ms(fn, repeats, 1, before_sample=lambda: scratch.fill(1)))
+    return statistics.median(sample_times_ms(fn, repeats, 1 if flush else max(1, calls), before_sample=flush))
 
 
 def sample_times_ms(fn, repeats: int, calls: int, before_sample=None, after_sample=None) -> list[float]:
@@ -162,6 +161,7 @@ class BoardMonitor:
     def __init__(self, pci_bus_id: str, period: float = 0.02, library: str = "libnvidia-ml.so.1"):
         self.samples = collections.deque(maxlen=100_000)  # (time.monotonic(), MHz, W)
         self.available = False
+        self._nvml = None  # the opened library, once NVML and the device answer
         try:
             nvml = ctypes.CDLL(library)
             handle = ctypes.c_void_p()
@@ -177,7 +177,7 @@ class BoardMonitor:
 
     def read_now(self) -> tuple[float, float] | None:
         """(SM clock in MHz, board power in W) read now, None where NVML cannot be read."""
-        if getattr(self, "_nvml", None) is None:
+        if self._nvml is None:
             return None
         clock, milliwatts = ctypes.c_uint(), ctypes.c_uint()
         if (self._nvml.nvmlDeviceGetClockInfo(self._handle, NVML_CLOCK_SM, ctypes.byref(clock)) != NVML_SUCCESS
