@@ -15,6 +15,9 @@ variant is labelled with its file name; they must share the host's parameter lay
     git show HEAD~1:kernels_cu/wgmma/flash_fwd_sm90.cu > kernels_cu/wgmma/flash_fwd_sm90_base.cu
     python benchmarks/ab_wgmma.py --baseline wgmma/flash_fwd_sm90_base.cu --head-dim 64,128,256
 
+A tile may end in 's' (the output staged through shared memory and TMA stores) or 'r' (stored
+from registers): --tiles 160x2r,160x2s compares the two epilogues of one tile.
+
 --split-tail times each variant with the last, partly filled round of non-causal tiles split
 across the SMs ("split") and without ("whole"), wherever a split is possible.
 
@@ -72,13 +75,15 @@ def sustained(fn, flops: float, seconds: float) -> tuple[float, float | None, fl
 
 
 def timed_in_turn(runs, flops: float, rounds: int, seconds: float = 0.0) -> str:
-    """Each (label, fn) of `runs` timed once per round, in turn, so that clock drift over the run
-    reaches every variant alike: the median round per label, and the range when rounds > 1. With
-    `seconds`, each turn is a sustained run of that length, with its mean SM clock and power."""
+    """Each (label, fn) of `runs` timed once per round, in turn, the order rotated by one each round
+    (the clock follows the previous turn's power draw with some lag, so a fixed order would always
+    time a variant right after the same one; with as many rounds as runs each takes every place
+    once): the median round per label, and the range when rounds > 1. With `seconds`, each turn is
+    a sustained run of that length, with its mean SM clock and power."""
     results = {label: [] for label, _ in runs}
     boards = {label: [] for label, _ in runs}
-    for _ in range(rounds):
-        for label, fn in runs:
+    for r in range(rounds):
+        for label, fn in runs[r % len(runs):] + runs[:r % len(runs)]:
             if seconds > 0:
                 rate, clock, watts = sustained(fn, flops, seconds)
                 results[label].append(rate)
@@ -115,7 +120,9 @@ def main():
                         help="comma list of kernel sources (relative to kernels_cu/) to compare with")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--seqlen", default="512,2048,16384", help="comma list; batch = 16384 // seqlen")
-    parser.add_argument("--tiles", default="", help="comma list of BLOCKNxGROUPS (default: forward_config's)")
+    parser.add_argument("--tiles", default="",
+                        help="comma list of BLOCKNxGROUPS, an 's' after it for the output staged through shared "
+                             "memory and TMA stores, 'r' for stores from registers (default: forward_config's)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--split-tail", action="store_true",
                         help="time each variant with and without a split tail (non-causal)")
@@ -128,13 +135,20 @@ def main():
         compare(d, args)
 
 
+def parse_tile(text: str, staged_default: bool) -> tuple[int, int, bool]:
+    """(key block rows, consumer groups, staged output) from BLOCKNxGROUPS[s|r]."""
+    staged = {"s": True, "r": False}.get(text[-1], staged_default)
+    block_n, groups = map(int, text.rstrip("sr").split("x"))
+    return block_n, groups, staged
+
+
 def compare(d: int, args) -> None:
     dtype = getattr(torch, args.dtype)
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     for s in map(int, args.seqlen.split(",")):
         default = wgmma.forward_config(d, args.dtype, args.causal, seqlen=s)  # what a call of this length runs
-        tiles = ([tuple(map(int, t.split("x"))) for t in args.tiles.split(",") if t]
-                 or [(default.block_n, default.groups)])
+        tiles = [parse_tile(t, default.staged_output) for t in args.tiles.split(",") if t] or [
+            (default.block_n, default.groups, default.staged_output)]
         b, h = max(1, 16384 // s), 2048 // d
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
         out = torch.empty_like(q)
@@ -149,14 +163,14 @@ def compare(d: int, args) -> None:
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
 
         runs = [("cuDNN", cudnn)]
-        for block_n, groups in tiles:
-            config = dataclasses.replace(default, block_n=block_n, groups=groups)
+        for block_n, groups, staged in tiles:
+            config = dataclasses.replace(default, block_n=block_n, groups=groups, staged_output=staged)
             variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
                                          for source in filter(None, args.baseline.split(","))]
             splits = [("split ", True), ("whole ", False)] if args.split_tail else [("", None)]
             for label, variant in variants:
                 for split_label, split in splits:
-                    runs.append((f"{split_label}{label}n{block_n} g{groups}",
+                    runs.append((f"{split_label}{label}n{block_n} g{groups}{' staged' if staged else ''}",
                                  lambda variant=variant, split=split: wgmma.forward(problem, *infos, 0, stream,
                                                                                     config=variant, split_setting=split)))
         timings = timed_in_turn(runs, flops, args.rounds, args.seconds)
