@@ -16,7 +16,8 @@ variant is labelled with its file name; they must share the host's parameter lay
     python benchmarks/ab_wgmma.py --baseline wgmma/flash_fwd_sm90_base.cu --head-dim 64,128,256
 
 A tile may end in 's' (the output staged through shared memory and TMA stores) or 'r' (stored
-from registers): --tiles 160x2r,160x2s compares the two epilogues of one tile.
+from registers), and in 'p' (CTA pairs sharing K and V by multicast) or 'u' (unpaired):
+--tiles 160x2r,160x2s compares the two epilogues of one tile, --tiles 160x2u,160x2p the pairs.
 
 --split-tail times each variant with the last, partly filled round of non-causal tiles split
 across the SMs ("split") and without ("whole"), wherever a split is possible.
@@ -121,8 +122,8 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--seqlen", default="512,2048,16384", help="comma list; batch = 16384 // seqlen")
     parser.add_argument("--tiles", default="",
-                        help="comma list of BLOCKNxGROUPS, an 's' after it for the output staged through shared "
-                             "memory and TMA stores, 'r' for stores from registers (default: forward_config's)")
+                        help="comma list of BLOCKNxGROUPS[s|r][p|u]: output staged or from registers, CTA pairs "
+                             "or not (default: forward_config's, as a call of that length runs it)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--split-tail", action="store_true",
                         help="time each variant with and without a split tail (non-causal)")
@@ -135,25 +136,29 @@ def main():
         compare(d, args)
 
 
-def parse_tile(text: str, staged_default: bool) -> tuple[int, int, bool]:
-    """(key block rows, consumer groups, staged output) from BLOCKNxGROUPS[s|r]."""
-    staged = {"s": True, "r": False}.get(text[-1], staged_default)
-    block_n, groups = map(int, text.rstrip("sr").split("x"))
-    return block_n, groups, staged
+def parse_tile(text: str, default) -> tuple[int, int, bool, bool]:
+    """(key block rows, consumer groups, staged output, CTA pairs) from BLOCKNxGROUPS[s|r][p|u];
+    `default`'s where a letter is left out."""
+    flags = text[len(text.rstrip("srpu")):]
+    staged = "s" in flags or ("r" not in flags and default.staged_output)
+    pairs = "p" in flags or ("u" not in flags and default.cluster_kv)
+    block_n, groups = map(int, text.rstrip("srpu").split("x"))
+    return block_n, groups, staged, pairs
 
 
 def compare(d: int, args) -> None:
     dtype = getattr(torch, args.dtype)
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     for s in map(int, args.seqlen.split(",")):
-        default = wgmma.forward_config(d, args.dtype, args.causal, seqlen=s)  # what a call of this length runs
-        tiles = [parse_tile(t, default.staged_output) for t in args.tiles.split(",") if t] or [
-            (default.block_n, default.groups, default.staged_output)]
         b, h = max(1, 16384 // s), 2048 // d
+        problem = AttentionProblem(AttentionShape(b, s, s, h, h, d, args.dtype, 1 / math.sqrt(d)), args.causal)
+        # What a call of this length runs.
+        default = wgmma.paired(wgmma.forward_config(d, args.dtype, args.causal, seqlen=s), problem)
+        tiles = [parse_tile(t, default) for t in args.tiles.split(",") if t] or [
+            (default.block_n, default.groups, default.staged_output, default.cluster_kv)]
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
         out = torch.empty_like(q)
         lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
-        problem = AttentionProblem(AttentionShape(b, s, s, h, h, d, args.dtype, 1 / math.sqrt(d)), args.causal)
         infos = [info(x) for x in (q, k, v, out, lse)]
         flops = 4 * b * h * s * s * d / (2 if args.causal else 1)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -163,14 +168,16 @@ def compare(d: int, args) -> None:
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
 
         runs = [("cuDNN", cudnn)]
-        for block_n, groups, staged in tiles:
-            config = dataclasses.replace(default, block_n=block_n, groups=groups, staged_output=staged)
+        for block_n, groups, staged, pairs in tiles:
+            config = dataclasses.replace(default, block_n=block_n, groups=groups, staged_output=staged,
+                                         cluster_kv=pairs)
             variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
                                          for source in filter(None, args.baseline.split(","))]
-            splits = [("split ", True), ("whole ", False)] if args.split_tail else [("", None)]
+            splits = [("split ", True), ("whole ", False)] if args.split_tail and not pairs else [("", None)]
             for label, variant in variants:
                 for split_label, split in splits:
-                    runs.append((f"{split_label}{label}n{block_n} g{groups}{' staged' if staged else ''}",
+                    runs.append((f"{split_label}{label}n{block_n} g{groups}{' staged' if staged else ''}"
+                                 f"{' pairs' if pairs else ''}",
                                  lambda variant=variant, split=split: wgmma.forward(problem, *infos, 0, stream,
                                                                                     config=variant, split_setting=split)))
         timings = timed_in_turn(runs, flops, args.rounds, args.seconds)

@@ -101,6 +101,18 @@ for d, dtype in ((64, np.float16), (128, ml_dtypes.bfloat16), (256, ml_dtypes.bf
     print(f"ok split tail d={d}", flush=True)
 del os.environ[wgmma_forward.SPLIT_TAIL_VARIABLE]
 
+# Non-causal forwards in CTA pairs (clusters sharing K and V by multicast; sm_90 only), forced at
+# every head dim: more tiles than SMs, partial last key blocks, GQA.
+os.environ[wgmma_forward.KV_CLUSTERS_VARIABLE] = "1"
+for sq, sk, h, hk, d, dtype in ((384, 500, 70, 70, 64, np.float16), (256, 2000, 70, 10, 128, ml_dtypes.bfloat16),
+                                (256, 1500, 70, 70, 256, ml_dtypes.bfloat16)):
+    q, k, v = arrays((2, sq, h, d), (2, sk, hk, d), (2, sk, hk, d), dtype=dtype)
+    out, lse = cuflash2.flash_attn_forward(q, k, v, out=cp.zeros(q.shape, q.dtype))  # see forward_for_backward
+    cp.cuda.get_current_stream().synchronize()
+    assert bool(cp.isfinite(as_float32(cp, out)).all())
+    print(f"ok CTA pairs d={d} sq={sq} sk={sk} h={h}/{hk}", flush=True)
+del os.environ[wgmma_forward.KV_CLUSTERS_VARIABLE]
+
 # Variant kernels (window, softcap, ALiBi, dropout) forward and backward, and varlen.
 for b, sq, sk, h, hk, d, causal, dtype in CASES[:3]:
     q, k, v, dout = arrays((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d), dtype=dtype)

@@ -556,12 +556,15 @@ def test_compile_command_builds_the_hopper_forward_on_sm90_only():
 
     listed = main._configs(90, [64, 128, 100], ["bf16", "fp16"], ("fwd",))
     hopper = {c for c in listed if isinstance(c, wgmma.WgmmaFwdConfig)}
-    assert hopper == {wgmma.forward_config(d, dtype, causal, seqlen=seqlen) for d in (64, 128)
-                      for dtype in ("bfloat16", "float16") for causal in (False, True)
-                      for seqlen in wgmma.forward.SEQLEN_CLASSES}  # not 100: not a multiple of 8
+    chosen = {wgmma.forward_config(d, dtype, causal, seqlen=seqlen) for d in (64, 128)
+              for dtype in ("bfloat16", "float16") for causal in (False, True)
+              for seqlen in wgmma.forward.SEQLEN_CLASSES}  # not 100: not a multiple of 8
     # d64 causal: the short-sequence tile too; d128: the short calls' staged output and the calls'
     # from 8k 192-key blocks too.
-    assert len(hopper) == 18
+    assert len(chosen) == 18
+    # And the CTA-pair build of each non-causal one.
+    assert hopper == set(wgmma.forward.with_pairs(sorted(chosen, key=lambda c: c.short_id())))
+    assert len(hopper) == 18 + sum(not c.causal for c in chosen)
     assert not any(isinstance(c, wgmma.WgmmaFwdConfig) for c in main._configs(80, [64, 128], ["bf16"], ("fwd",)))
     assert not any(isinstance(c, wgmma.WgmmaFwdConfig) for c in main._configs(90, [128], ["bf16"], ("bwd",)))
 

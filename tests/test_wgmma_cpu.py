@@ -301,6 +301,7 @@ def test_a_split_launch_gets_scratch_for_the_rows_handed_over_and_zeroed_flags(m
     hand-over per CTA and consumer group and zeroed flags; short ones (staged output) only when the
     variable forces it; causal ones keep the tile counter and no split."""
     monkeypatch.setenv(wgmma_fwd.SPLIT_TAIL_VARIABLE, setting)
+    monkeypatch.setenv(wgmma_fwd.KV_CLUSTERS_VARIABLE, "0")  # CTA pairs walk whole tiles
     monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 132)
     record = dict(scratch=[], launches=[])
 
@@ -333,6 +334,51 @@ def test_a_split_launch_gets_scratch_for_the_rows_handed_over_and_zeroed_flags(m
     else:
         assert units == 0 and not _named(fields)["partials"] and not _named(fields)["partial_ready"]
         assert record["scratch"] == ([((1,), "int32", True)] if causal else [])
+
+
+@pytest.mark.parametrize("d, causal, seqlen_q, setting, pairs", [
+    (128, False, 2048, "", True), (128, False, 4096, "", True), (128, False, 2100, "", False),
+    (128, True, 2048, "", False), (128, False, 2048, "0", False), (128, False, 16384, "", False),
+    (64, False, 2304, "", False), (64, False, 2304, "1", True), (64, False, 2048, "1", False), (256, False, 1024, "1", True),
+    (128, True, 2048, "1", False)])
+def test_calls_run_in_cta_pairs_where_measured_faster_or_forced(monkeypatch, d, causal, seqlen_q, setting, pairs):
+    """Head dim 128 non-causal calls with 160-key blocks run in CTA pairs sharing K and V, when the
+    query blocks of a head pair up; KV_CLUSTERS_VARIABLE forces pairs wherever possible or none.
+    A paired launch has an even grid, whole tiles (no split tail) and K/V boxes of half a block."""
+    monkeypatch.setenv(wgmma_fwd.KV_CLUSTERS_VARIABLE, setting)
+    monkeypatch.setenv(wgmma_fwd.SPLIT_TAIL_VARIABLE, "")
+    monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 133)
+    launches, boxes = [], []
+    monkeypatch.setattr(wgmma_fwd.launcher, "scratch", lambda shape, dtype=None, zero=False: (None, contiguous_info(
+        tuple(shape), "float32", 4, "cuda:0", 1 << 30)))
+    monkeypatch.setattr(wgmma_fwd.launcher, "launch_struct_kernel",
+                        lambda config, device_id, stream, grid, arguments: launches.append(
+                            (config, tuple(grid), arguments.packer.unpack(arguments.packer.pack(*arguments.fields())))))
+    monkeypatch.setattr(wgmma_fwd.tensor_maps, "encode_tiled",
+                        lambda dtype, address, sizes, strides, box: boxes.append(box) or bytes(128))
+    b, h = max(1, 16384 // seqlen_q), 16
+    problem = AttentionProblem(AttentionShape(b, seqlen_q, 2048, h, h, d, "bfloat16", 0.1), causal)
+    q, out = (contiguous_info((b, seqlen_q, h, d), "bfloat16", 2, "cuda:0", (1 + i) << 24) for i in range(2))
+    k, v = (contiguous_info((b, 2048, h, d), "bfloat16", 2, "cuda:0", (3 + i) << 24) for i in range(2))
+    lse = contiguous_info((b, h, seqlen_q), "float32", 4, "cuda:0", 9 << 24)
+    wgmma_fwd.forward(problem, q, k, v, out, lse, 0, None)
+    (config, grid, fields), = launches
+    assert config.cluster_kv == pairs
+    if pairs:
+        tiles = -(-seqlen_q // config.block_m) * h * b
+        assert grid == (min(tiles, 132),) and _named(fields)["split_units"] == 0
+        assert [box[1] for box in boxes[1:3]] == [config.block_n // 2] * 2  # K and V: half a block each
+        assert "-DCF_CLUSTER_KV" in config.compile_options() and config in wgmma_fwd.all_configs()
+    else:
+        assert [box[1] for box in boxes[1:3]] == [config.block_n] * 2
+
+
+def test_cta_pairs_refuse_calls_they_cannot_run():
+    config = dataclasses.replace(wgmma_fwd.forward_config(128, "bfloat16", False, seqlen=2048), cluster_kv=True)
+    for causal, seqlen_q in ((True, 2048), (False, 2100)):
+        problem = AttentionProblem(AttentionShape(2, seqlen_q, 2048, 16, 16, 128, "bfloat16", 0.1), causal)
+        with pytest.raises(ValueError, match=f"causal={causal}, seqlen_q={seqlen_q}"):
+            wgmma_fwd.launch_plan(problem, config, 132)
 
 
 def test_unsupported_reasons_name_what_is_missing():
@@ -552,6 +598,7 @@ def test_a_replayed_split_tail_starts_from_zeroed_places_and_flags(monkeypatch):
     from cuflash2.core import replay
 
     monkeypatch.setenv(wgmma_fwd.SPLIT_TAIL_VARIABLE, "")
+    monkeypatch.setenv(wgmma_fwd.KV_CLUSTERS_VARIABLE, "0")  # CTA pairs walk whole tiles
     monkeypatch.setattr(tensor_maps, "encode_tiled", lambda *args, **kwargs: bytes(128))
     sent, memsets = _stub_replayed_launches(monkeypatch)
     b, s, h, d = 8, 2048, 16, 128  # 2048 tiles on 132 SMs: 15.5 rounds, the tail split

@@ -68,7 +68,7 @@ def environment() -> tuple:
     hold the kernels chosen when they were recorded, so replays are dropped when this changes)."""
     get = os.environ.get
     return (get(FAMILY_VARIABLE, ""), get(wgmma.HANG_CHECK_VARIABLE, ""), get(wgmma.ZERO_TMA_SCRATCH_VARIABLE, ""),
-            get(wgmma.SPLIT_TAIL_VARIABLE, ""))
+            get(wgmma.SPLIT_TAIL_VARIABLE, ""), get(wgmma.KV_CLUSTERS_VARIABLE, ""))
 
 
 def candidates() -> tuple:

@@ -16,7 +16,8 @@
 // tail, the causal diagonal) come first and the rest run without mask arithmetic. Causal CTAs take
 // tiles longest first from a global counter; non-causal ones walk them statically and share the
 // last ones' key blocks out evenly, so that no SM idles through a partly filled last round
-// (span_at).
+// (span_at). Built with CF_CLUSTER_KV, non-causal CTAs run in pairs that load each K and V block
+// once for both (a multicast TMA), whole tiles only.
 #include "common/fast_div.cuh"
 #include "common/quad_rows.cuh"
 #include "wgmma/wgmma_ops.cuh"
@@ -114,6 +115,19 @@ struct FwdTile {
 
 // The mbarriers (and the tile hand-over slot) at the end of shared memory, by shared-window
 // address: one 32-bit base stays live, each barrier is base + a constant.
+// CF_CLUSTER_KV (non-causal whole-tile walks, the host's cluster_kv): CTAs run in clusters of two
+// on neighbouring query blocks of one head (tiles c and c + 1 of each round of the static walk, c
+// even), and each loads half of every K and V block into both with a multicast TMA, halving the
+// K/V traffic from L2 into the SMs. A stage is free once the consumers of both CTAs released it,
+// so each CTA's empty barriers count both.
+#ifdef CF_CLUSTER_KV
+constexpr int kClusterCtas = 2;
+#define CF_CLUSTER_DIMS __cluster_dims__(2, 1, 1)
+#else
+constexpr int kClusterCtas = 1;
+#define CF_CLUSTER_DIMS
+#endif
+
 struct FwdBarriers {
     u32 base;
     CF_DEVICE u32 tile_full() const { return base; }  // causal: the producer hands over a tile index
@@ -279,10 +293,21 @@ CF_DEVICE void load_kv_block(u32 smem, const TensorMap* map, const FwdBarriers& 
     mbarrier_wait(kIsV ? bars.v_empty(st.stage()) : bars.k_empty(st.stage()), st.phase() ^ 1);
     mbarrier_arrive_expect_bytes(full, Tl::kKVBytes);
     const u32 dst = smem + (kIsV ? Tl::kV : Tl::kK) + st.stage() * Tl::kKVBytes;
+#ifdef CF_CLUSTER_KV
+    // This CTA's half of the block's rows, into both CTAs (the map's boxes are half a block).
+    constexpr int kHalf = Tl::kBlockN / 2;
+    static_assert(kHalf % 8 == 0, "half blocks start on a 1024-byte swizzle period");
+    const int half = (int)cluster_cta_rank();
+#pragma unroll
+    for (int panel = 0; panel < Tl::kPanels; ++panel)
+        tma_load_4d_multicast(dst + panel * Tl::kBlockN * 128 + half * kHalf * 128, map, full, panel * 64,
+                              n_block * Tl::kBlockN + half * kHalf, kv_head, batch, 0x3, kEvictLast);
+#else
 #pragma unroll
     for (int panel = 0; panel < Tl::kPanels; ++panel)
         tma_load_4d(dst + panel * Tl::kBlockN * 128, map, full, panel * 64, n_block * Tl::kBlockN, kv_head, batch,
                     kEvictLast);
+#endif
     st.advance();
 }
 
@@ -534,6 +559,16 @@ CF_DEVICE void pass_turn(int group) {
 // One arrival per consumer warp (the empty barriers count them all) once its wgmma reads are complete.
 CF_DEVICE void release(u32 bar, int lane) {
     if (lane == 0) mbarrier_arrive(bar);
+}
+
+// A K or V stage: with clusters, the other CTA's producer writes it too (CF_CLUSTER_KV).
+CF_DEVICE void release_kv(u32 bar, int lane) {
+    if (lane == 0) {
+        mbarrier_arrive(bar);
+#ifdef CF_CLUSTER_KV
+        mbarrier_arrive_cluster(bar, cluster_cta_rank() ^ 1);
+#endif
+    }
 }
 
 // A consumer's view of one span of the walk: which tile, which key blocks. The rest of what the
@@ -809,7 +844,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
     // That S complete (the caller waited): its K stage released, folded into fresh statistics.
     auto fold_first_block = [&](const ConsumerTile& t) {
         register_fence(s);
-        release(bars.k_empty(k_state.stage()), lane);
+        release_kv(bars.k_empty(k_state.stage()), lane);
         k_state.advance();
         if (t.hi - t.lo == 1) release_q();  // its only Q K^T is done: Q may reload
         fold_block<Tl, kCausal>(s, t.hi - 1, t.m_block, ThreadRows<Tl::kBlockM>(t.m_block, group, warp, lane).row,
@@ -845,7 +880,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         pass_turn<Tl::kGroups>(group);
         wgmma_wait<1>();
         register_fence(s);
-        release(bars.k_empty(k_state.stage()), lane);
+        release_kv(bars.k_empty(k_state.stage()), lane);
         k_state.advance();
     };
     // P[lo] V[lo], the tile's last P V, on the group's turn once its V is in.
@@ -863,7 +898,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
         wgmma_wait<0>();
         register_fence(o);
         register_fence(pa);
-        release(bars.v_empty(v_state.stage()), lane);
+        release_kv(bars.v_empty(v_state.stage()), lane);
         v_state.advance();
     };
     if (cur.valid && cur.has_keys()) first_block(cur);
@@ -906,7 +941,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
             issue_first_scores();
             wgmma_wait<1>();
             register_fence(o);
-            release(bars.v_empty(v_state.stage()), lane);
+            release_kv(bars.v_empty(v_state.stage()), lane);
             v_state.advance();
             store_tile(cur, true);
             stats = RowStats();
@@ -919,7 +954,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
                 issue_last_values();
                 wgmma_wait<0>();
                 register_fence(o);
-                release(bars.v_empty(v_state.stage()), lane);
+                release_kv(bars.v_empty(v_state.stage()), lane);
                 v_state.advance();
             }
             store_tile(cur, false);
@@ -934,7 +969,7 @@ CF_DEVICE void consume(const FwdParams& p, u32 smem, const FwdBarriers& bars, in
 }
 
 template <int kHeadDim, int kBlockN, int kGroups, bool kCausal, bool kBf16, bool kStagedOutput>
-__global__ void __launch_bounds__(FwdTile<kHeadDim, kBlockN, kGroups, kStagedOutput>::kThreads, 1)
+__global__ void __launch_bounds__(FwdTile<kHeadDim, kBlockN, kGroups, kStagedOutput>::kThreads, 1) CF_CLUSTER_DIMS
     flash_fwd_sm90(const __grid_constant__ FwdParams p) {
     using Tl = FwdTile<kHeadDim, kBlockN, kGroups, kStagedOutput>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -951,14 +986,18 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim, kBlockN, kGroups, kStagedOut
         }
         for (int s = 0; s < Tl::kStages; ++s) {
             mbarrier_init(bars.k_full(s), 1);
-            mbarrier_init(bars.k_empty(s), Tl::kConsumerWarps);
+            mbarrier_init(bars.k_empty(s), Tl::kConsumerWarps * kClusterCtas);
             mbarrier_init(bars.v_full(s), 1);
-            mbarrier_init(bars.v_empty(s), Tl::kConsumerWarps);
+            mbarrier_init(bars.v_empty(s), Tl::kConsumerWarps * kClusterCtas);
         }
         fence_barrier_init();
         TileWalk<kCausal>::take_place(bars, p);
     }
     __syncthreads();
+#ifdef CF_CLUSTER_KV
+    static_assert(!kCausal && !Tl::kOOverV, "clusters: non-causal whole-tile walks");
+    cluster_sync();  // the other CTA's barriers are initialised before any multicast or arrival
+#endif
     const int group = threadIdx.x / 128;
     if (group == 0) {
         registers_release<Tl::kProducerRegs>();
@@ -967,4 +1006,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim, kBlockN, kGroups, kStagedOut
         registers_claim<Tl::kConsumerRegs>();
         consume<Tl, kCausal, kBf16>(p, smem, bars, group - 1);
     }
+#ifdef CF_CLUSTER_KV
+    cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
+#endif
 }

@@ -118,6 +118,34 @@ CF_DEVICE void tma_load_4d(u32 dst, const TensorMap* map, u32 bar, int c0, int c
         : "memory");
 }
 
+// The same tile into the shared memory of every CTA of the cluster in `cta_mask` (same offset in
+// each), completing on the mbarrier at `bar`'s offset in each of them.
+CF_DEVICE void tma_load_4d_multicast(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2, int c3,
+                                     unsigned short cta_mask, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7, %8;\n"
+        :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(cta_mask), "l"(policy)
+        : "memory");
+}
+
+// ---- clusters ----------------------------------------------------------------------------------------
+CF_DEVICE u32 cluster_cta_rank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+// Every thread of every CTA of the cluster (threads may arrive from divergent paths).
+CF_DEVICE void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// An arrival on the mbarrier at `bar`'s offset in CTA `cta` of the cluster. CTA-scoped release, as
+// CUTLASS writes it: the .cluster-scoped form compiles to a full memory barrier before the arrive.
+CF_DEVICE void mbarrier_arrive_cluster(u32 bar, u32 cta) {
+    asm volatile("{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
+                 " mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" :: "r"(bar), "r"(cta) : "memory");
+}
+
 // ---- TMA: a tensor tile shared -> global, one bulk group of the issuing thread -------------------
 // Writes outside the map's sizes are dropped (partial tiles at the sequence end or the head dim).
 // The shared-memory writes must be ordered before it by fence_proxy_async_smem; the source may be

@@ -13,7 +13,7 @@ from ...problem.tensors import DTYPE_NAMES
 from . import backward as backward_kernel
 from . import forward as forward_kernel
 from .backward import ZERO_TMA_SCRATCH_VARIABLE
-from .forward import (HANG_CHECK_VARIABLE, SPLIT_TAIL_VARIABLE, WgmmaFwdConfig, all_configs as all_forward_configs,
+from .forward import (HANG_CHECK_VARIABLE, KV_CLUSTERS_VARIABLE, SPLIT_TAIL_VARIABLE, WgmmaFwdConfig, all_configs as all_forward_configs,
                       forward_config, unsupported_reason)
 
 
@@ -50,9 +50,10 @@ class WgmmaFamily:
             return []
         configs = []
         if "fwd" in kinds:
-            configs += [forward_config(dim, DTYPE_NAMES[dtype], causal, seqlen=seqlen) for dim in dims
-                        if dim % 8 == 0 and dim <= forward_kernel.MAX_HEAD_DIM
-                        for dtype in dtypes for causal in (False, True) for seqlen in forward_kernel.SEQLEN_CLASSES]
+            configs += forward_kernel.with_pairs(
+                [forward_config(dim, DTYPE_NAMES[dtype], causal, seqlen=seqlen) for dim in dims
+                 if dim % 8 == 0 and dim <= forward_kernel.MAX_HEAD_DIM
+                 for dtype in dtypes for causal in (False, True) for seqlen in forward_kernel.SEQLEN_CLASSES])
         if "bwd" in kinds:
             names = {DTYPE_NAMES[dtype] for dtype in dtypes}
             configs += [c for c in backward_kernel.all_configs() if c.dtype in names and c.head_dim in dims]
@@ -61,5 +62,5 @@ class WgmmaFamily:
 
 FAMILY = WgmmaFamily()
 
-__all__ = ["FAMILY", "HANG_CHECK_VARIABLE", "SPLIT_TAIL_VARIABLE", "ZERO_TMA_SCRATCH_VARIABLE", "WgmmaFamily", "WgmmaFwdConfig", "all_forward_configs", "forward_config",
+__all__ = ["FAMILY", "HANG_CHECK_VARIABLE", "KV_CLUSTERS_VARIABLE", "SPLIT_TAIL_VARIABLE", "ZERO_TMA_SCRATCH_VARIABLE", "WgmmaFamily", "WgmmaFwdConfig", "all_forward_configs", "forward_config",
            "unsupported_reason"]

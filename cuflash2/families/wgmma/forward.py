@@ -31,6 +31,9 @@ HANG_CHECK_VARIABLE = "CUFLASH2_HANG_CHECK"
 #: CUFLASH2_SPLIT_TAIL=1 splits the tail of every non-causal launch that can be split, 0 none (see
 #: split_tail); unset, the launches that leave SMs idle for long enough.
 SPLIT_TAIL_VARIABLE = "CUFLASH2_SPLIT_TAIL"
+#: CUFLASH2_KV_CLUSTERS=1 runs every non-causal call that can run in CTA pairs that way (see
+#: paired), 0 none; unset, the calls where the pairs measured faster.
+KV_CLUSTERS_VARIABLE = "CUFLASH2_KV_CLUSTERS"
 #: FwdParams (flash_fwd_sm90.cu), field by field in the kernel's order: name and struct code. Every
 #: field sits at its natural alignment; the struct ends padded to its tensor maps' 64 bytes (the
 #: kernel pins the size).
@@ -62,6 +65,7 @@ class WgmmaFwdConfig:
     dtype: str
     hang_check: bool = False  # debug build: mbarrier waits trap after a bounded spin
     staged_output: bool = False  # the epilogue through shared memory and TMA stores (short calls, d > 64)
+    cluster_kv: bool = False  # CTA pairs on neighbouring query blocks share each K/V block (multicast TMA)
 
     source_file = SOURCE
 
@@ -115,10 +119,15 @@ class WgmmaFwdConfig:
     def short_id(self) -> str:
         return (f"wgmma_fwd_d{self.head_dim}_m{self.block_m}_n{self.block_n}_{'causal' if self.causal else 'full'}_"
                 f"{SHORT_DTYPE[self.dtype]}{'_staged' if self.staged_output else ''}"
-                f"{'_hangcheck' if self.hang_check else ''}")
+                f"{'_cluster' if self.cluster_kv else ''}{'_hangcheck' if self.hang_check else ''}")
 
     def compile_options(self) -> tuple[str, ...]:
-        return sm90a_options(self.hang_check)
+        return sm90a_options(self.hang_check) + (("-DCF_CLUSTER_KV",) if self.cluster_kv else ())
+
+    @property
+    def kv_box_rows(self) -> int:
+        """Rows of a K/V TMA box: a block, or half of one where a CTA pair shares it."""
+        return self.block_n // 2 if self.cluster_kv else self.block_n
 
 
 def cpp_bool(x: bool) -> str:
@@ -176,10 +185,43 @@ def forward_config(head_dim: int, dtype: str, causal: bool, hang_check: bool = F
     return WgmmaFwdConfig(padded, block_n, groups, causal, dtype, hang_check, staged_output=short and padded > 64)
 
 
+#: Key block of the calls that run in CTA pairs by default (head dim 128, non-causal, 1k-8k keys).
+#: Each CTA of a pair loads half of every K and V block into both with a multicast TMA, which halves
+#: the K/V traffic from L2 into the SMs (1 MiB per 128-row tile at 2k keys, some 4.5 TB/s): energy,
+#: which sets the clock at the board's power limit. H200, kernel A/B in sustained turns (1 s, 4 rounds in
+#: rotating order) against the kernel as is: bf16 2k / 4k 568 / 596 -> 575 / 603 TFLOP/s, fp16
+#: 544 / 574 -> 551 / 583 (cuDNN 563 / 582 and 537 / 560); in short samples, where the clock is
+#: not held by the power limit, 1.5-2.6% slower (the pair waits for its slower CTA).
+PAIRED_BLOCK_N = WIDE_BLOCK_N
+
+
+def pairs_possible(config: WgmmaFwdConfig, causal: bool, seqlen_q: int) -> bool:
+    """Whether a call can run in CTA pairs: non-causal (the pair's tiles need the same key blocks),
+    an even number of query blocks per head (a pair's tiles share a head), and the output not staged
+    over the V stages (which the pair shares)."""
+    return not causal and not config.output_over_v and -(-seqlen_q // config.block_m) % 2 == 0
+
+
+def paired(config: WgmmaFwdConfig, problem: AttentionProblem) -> WgmmaFwdConfig:
+    """`config` in CTA pairs where the call can run that way and KV_CLUSTERS_VARIABLE, else
+    PAIRED_BLOCK_N at head dim 128, asks for it."""
+    setting = switch_setting(KV_CLUSTERS_VARIABLE)
+    wanted = setting if setting is not None else (config.head_dim == 128 and config.block_n == PAIRED_BLOCK_N)
+    if wanted and pairs_possible(config, problem.causal, problem.shape.seqlen_q):
+        return dataclasses.replace(config, cluster_kv=True)
+    return config
+
+
+def with_pairs(configs: list[WgmmaFwdConfig]) -> list[WgmmaFwdConfig]:
+    """The configs and their CTA-pair builds, where a call may run one (KV_CLUSTERS_VARIABLE)."""
+    return configs + [dataclasses.replace(c, cluster_kv=True) for c in configs if not c.causal and not c.output_over_v]
+
+
 def all_configs() -> list[WgmmaFwdConfig]:
     """Every instantiation a call can pick (the compile check builds them all)."""
-    return list(dict.fromkeys(forward_config(d, dtype, causal, seqlen=seqlen) for d in range(16, MAX_HEAD_DIM + 1, 16)
-                              for dtype in SUPPORTED_DTYPES for causal in (False, True) for seqlen in SEQLEN_CLASSES))
+    return with_pairs(list(dict.fromkeys(
+        forward_config(d, dtype, causal, seqlen=seqlen) for d in range(16, MAX_HEAD_DIM + 1, 16)
+        for dtype in SUPPORTED_DTYPES for causal in (False, True) for seqlen in SEQLEN_CLASSES)))
 
 
 def unsupported_reason(arch: int, problem: AttentionProblem, tensors=()) -> str:
@@ -271,15 +313,15 @@ def struct_builder(q, k, v, out, lse, shape, config: WgmmaFwdConfig, split: Tail
                split.whole_rounds, split.units, shape.softmax_scale * math.log2(math.e))
     # (m_blocks is 0 only for an empty query, which launches nothing.)
     scalars += sum((fast_div.fast_divisor(max(1, x)) for x in divisors), ())
-    block_m, block_n = config.block_m, config.block_n
+    block_m, kv_rows = config.block_m, config.kv_box_rows
 
     def build(addresses) -> tuple:
         q_at, k_at, v_at, out_at, lse_at, counter_at, partials_at, flags_at = addresses
         # The output's map only where the kernel stores through it (a replay re-encodes each map
         # whose address moved).
         out_map = _map(out, out_at, GROUP_ROWS, b, sq, h, d) if config.staged_output else bytes(tensor_maps.MAP_BYTES)
-        return (_map(q, q_at, block_m, b, sq, h, d), _map(k, k_at, block_n, b, sk, hk, d),
-                _map(v, v_at, block_n, b, sk, hk, d), out_map, out_at, lse_at, counter_at or 0, partials_at or 0,
+        return (_map(q, q_at, block_m, b, sq, h, d), _map(k, k_at, kv_rows, b, sk, hk, d),
+                _map(v, v_at, kv_rows, b, sk, hk, d), out_map, out_at, lse_at, counter_at or 0, partials_at or 0,
                 flags_at or 0) + scalars
 
     return build
@@ -297,6 +339,14 @@ def launch_plan(problem: AttentionProblem, config: WgmmaFwdConfig, ctas: int,
     shape = problem.shape
     tiles = tile_count(shape, config)
     grid = min(tiles, ctas)
+    if config.cluster_kv:
+        # A pair walks neighbouring query blocks of one head in step (tile c and c + 1 of each round,
+        # c even), whole tiles only: an even grid and an even number of query blocks per head.
+        if not pairs_possible(config, problem.causal, shape.seqlen_q):
+            raise ValueError(f"CTA pairs (cluster_kv) need a non-causal call with an even number of query "
+                             f"blocks per head, got causal={problem.causal}, seqlen_q={shape.seqlen_q}")
+        grid -= grid % 2
+        return grid, split_tail(tiles, grid, 1, False)
     if problem.causal or grid == 0:
         return grid, TailSplit(-(-tiles // max(grid, 1)))
     if split_setting is None:
@@ -316,8 +366,8 @@ def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream
     per SM, at most one per tile. `config` and `split_setting` (see launch_plan) override the
     choices of a call, for kernel A/Bs."""
     shape = problem.shape
-    config = config or forward_config(shape.head_dim, shape.dtype, problem.causal, hang_check(),
-                                      max(shape.seqlen_q, shape.seqlen_k))
+    config = config or paired(forward_config(shape.head_dim, shape.dtype, problem.causal, hang_check(),
+                                             max(shape.seqlen_q, shape.seqlen_k)), problem)
     grid, split = launch_plan(problem, config, sm_count(device_id), split_setting)
     if grid == 0:
         return
