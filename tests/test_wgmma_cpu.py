@@ -48,6 +48,7 @@ def test_short_calls_above_head_dim_64_stage_the_output_beside_v_up_to_128_and_o
     monkeypatch.setattr(wgmma_fwd.launcher, "launch_struct_kernel",
                         lambda config, device_id, stream, grid, arguments: chosen.append(config))
     monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(wgmma_fwd.launcher, "max_active_clusters", lambda config, device_id, ctas: 66)
     for seqlen_q, seqlen_k, staged in ((512, 512, True), (1024, 300, True), (512, 4096, False), (2048, 512, False)):
         problem = AttentionProblem(AttentionShape(1, seqlen_q, seqlen_k, 4, 4, 128, "bfloat16", 0.1), False)
         q, kv = (contiguous_info((1, s, 4, 128), "bfloat16", 2, "cuda:0", 1 << 20) for s in (seqlen_q, seqlen_k))
@@ -348,6 +349,7 @@ def test_calls_run_in_cta_pairs_where_measured_faster_or_forced(monkeypatch, d, 
     monkeypatch.setenv(wgmma_fwd.KV_CLUSTERS_VARIABLE, setting)
     monkeypatch.setenv(wgmma_fwd.SPLIT_TAIL_VARIABLE, "")
     monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 133)
+    monkeypatch.setattr(wgmma_fwd.launcher, "max_active_clusters", lambda config, device_id, ctas: 66)
     launches, boxes = [], []
     monkeypatch.setattr(wgmma_fwd.launcher, "scratch", lambda shape, dtype=None, zero=False: (None, contiguous_info(
         tuple(shape), "float32", 4, "cuda:0", 1 << 30)))
@@ -371,6 +373,27 @@ def test_calls_run_in_cta_pairs_where_measured_faster_or_forced(monkeypatch, d, 
         assert "-DCF_CLUSTER_KV" in config.compile_options() and config in wgmma_fwd.all_configs()
     else:
         assert [box[1] for box in boxes[1:3]] == [config.block_n] * 2
+
+
+@pytest.mark.parametrize("resident_pairs, grid, paired", [(66, 132, True), (60, 120, True), (0, 132, False)])
+def test_a_paired_grid_is_the_pairs_the_device_holds_at_once(monkeypatch, resident_pairs, grid, paired):
+    """A persistent walk of pairs launches no more pairs than the device runs at once (how SMs fall
+    into GPCs decides, cuOccupancyMaxActiveClusters), else a pair would wait for a second wave;
+    where no pair fits, the call runs unpaired."""
+    monkeypatch.setenv(wgmma_fwd.KV_CLUSTERS_VARIABLE, "")
+    monkeypatch.setattr(wgmma_fwd, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(wgmma_fwd.launcher, "max_active_clusters", lambda config, device_id, ctas: resident_pairs)
+    monkeypatch.setattr(wgmma_fwd.launcher, "scratch", lambda shape, dtype=None, zero=False: (None, contiguous_info(
+        tuple(shape), "float32", 4, "cuda:0", 1 << 30)))
+    launches = []
+    monkeypatch.setattr(wgmma_fwd.launcher, "launch_struct_kernel",
+                        lambda config, device_id, stream, grid, arguments: launches.append((config, tuple(grid))))
+    monkeypatch.setattr(wgmma_fwd.tensor_maps, "encode_tiled", lambda *args, **kwargs: bytes(128))
+    problem = AttentionProblem(AttentionShape(8, 2048, 2048, 16, 16, 128, "bfloat16", 0.1), False)
+    q, k, v, out = (contiguous_info((8, 2048, 16, 128), "bfloat16", 2, "cuda:0", (1 + i) << 24) for i in range(4))
+    lse = contiguous_info((8, 16, 2048), "float32", 4, "cuda:0", 9 << 24)
+    wgmma_fwd.forward(problem, q, k, v, out, lse, 0, None)
+    assert [(config.cluster_kv, g) for config, g in launches] == [(paired, (grid,))]
 
 
 def test_cta_pairs_refuse_calls_they_cannot_run():

@@ -18,6 +18,7 @@ The packing itself is pure (`slot_format`, `pack_slots`) and tested without a GP
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import struct
 import threading
@@ -194,6 +195,32 @@ def launch_struct_kernel(config, device_id: int, stream, grid, arguments: Struct
     grid = tuple(grid) + (1,) * (3 - len(grid))
     launch_struct(kernel.kernel.ptr, grid, config.threads, config.smem_bytes, stream.ptr, arguments.packer,
                   arguments.fields())
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h): grid and block dims, dynamic shared memory, stream, attributes."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=None)
+def max_active_clusters(config, device_id: int, cluster_ctas: int) -> int:
+    """How many clusters of `cluster_ctas` CTAs of `config`'s kernel (its cluster dims compiled in)
+    the device runs at once: cuOccupancyMaxActiveClusters, through ctypes (CuPy has no binding).
+    It depends on how the SMs fall into GPCs and on what else holds them, not on the SM count
+    alone; 0 where not even one cluster fits."""
+    kernel = get_kernel(config, device_id)
+    launch = _LaunchConfig((ctypes.c_uint * 3)(cluster_ctas, 1, 1), (ctypes.c_uint * 3)(config.threads, 1, 1),
+                           config.smem_bytes, None, None, 0)
+    count = ctypes.c_int()
+    query = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    query.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+    query.restype = ctypes.c_int
+    with import_cupy().cuda.Device(device_id):
+        status = query(ctypes.byref(count), ctypes.c_void_p(kernel.kernel.ptr), ctypes.byref(launch))
+    if status != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed for {config.short_id()}: CUresult {status}")
+    return count.value
 
 
 def launch_struct(function: int, grid: tuple, threads: int, smem_bytes: int, stream: int, packer: struct.Struct,

@@ -368,7 +368,15 @@ def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream
     shape = problem.shape
     config = config or paired(forward_config(shape.head_dim, shape.dtype, problem.causal, hang_check(),
                                              max(shape.seqlen_q, shape.seqlen_k)), problem)
-    grid, split = launch_plan(problem, config, sm_count(device_id), split_setting)
+    ctas = sm_count(device_id)
+    if config.cluster_kv:
+        # Pairs need two SMs of one GPC: the grid is as many pairs as the device holds at once (a
+        # persistent walk must not leave a pair waiting for a second wave), none, unpaired.
+        pairs = launcher.max_active_clusters(config, device_id, 2)
+        ctas = min(ctas, 2 * pairs)
+        if not pairs:
+            config, ctas = dataclasses.replace(config, cluster_kv=False), sm_count(device_id)
+    grid, split = launch_plan(problem, config, ctas, split_setting)
     if grid == 0:
         return
     # Causal: the tiles taken after the first round. Split tail: the CTAs' places in the walk, in
