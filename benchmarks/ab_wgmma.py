@@ -136,14 +136,14 @@ def main():
         compare(d, args)
 
 
-def parse_tile(text: str, default) -> tuple[int, int, bool, bool]:
-    """(key block rows, consumer groups, staged output, CTA pairs) from BLOCKNxGROUPS[s|r][p|u];
-    `default`'s where a letter is left out."""
+def parse_tile(text: str, default) -> tuple[int, int, bool, bool, bool]:
+    """(key block rows, consumer groups, staged output, CTA pairs, pairs asked for) from
+    BLOCKNxGROUPS[s|r][p|u]; `default`'s where a letter is left out."""
     flags = text[len(text.rstrip("srpu")):]
     staged = "s" in flags or ("r" not in flags and default.staged_output)
     pairs = "p" in flags or ("u" not in flags and default.cluster_kv)
     block_n, groups = map(int, text.rstrip("srpu").split("x"))
-    return block_n, groups, staged, pairs
+    return block_n, groups, staged, pairs, "p" in flags
 
 
 def compare(d: int, args) -> None:
@@ -155,7 +155,7 @@ def compare(d: int, args) -> None:
         # What a call of this length runs.
         default = wgmma.paired(wgmma.forward_config(d, args.dtype, args.causal, seqlen=s), problem)
         tiles = [parse_tile(t, default) for t in args.tiles.split(",") if t] or [
-            (default.block_n, default.groups, default.staged_output, default.cluster_kv)]
+            (default.block_n, default.groups, default.staged_output, default.cluster_kv, False)]
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
         out = torch.empty_like(q)
         lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
@@ -168,10 +168,13 @@ def compare(d: int, args) -> None:
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
 
         runs = [("cuDNN", cudnn)]
-        for block_n, groups, staged, pairs in tiles:
+        for block_n, groups, staged, pairs, pairs_asked in tiles:
             config = dataclasses.replace(default, block_n=block_n, groups=groups, staged_output=staged,
                                          cluster_kv=pairs)
-            variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(config, source))
+            # A baseline source from before the pairs would ignore CF_CLUSTER_KV and wait forever
+            # for the half of each block its pair never loads: unpaired unless 'p' asks for them.
+            unpaired = dataclasses.replace(config, cluster_kv=pairs and pairs_asked)
+            variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(unpaired, source))
                                          for source in filter(None, args.baseline.split(","))]
             splits = [("split ", True), ("whole ", False)] if args.split_tail and not pairs else [("", None)]
             for label, variant in variants:

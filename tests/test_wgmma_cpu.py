@@ -340,8 +340,8 @@ def test_a_split_launch_gets_scratch_for_the_rows_handed_over_and_zeroed_flags(m
 @pytest.mark.parametrize("d, causal, seqlen_q, setting, pairs", [
     (128, False, 2048, "", True), (128, False, 4096, "", True), (128, False, 2100, "", False),
     (128, True, 2048, "", False), (128, False, 2048, "0", False), (128, False, 16384, "", False),
-    (64, False, 2304, "", False), (64, False, 2304, "1", True), (64, False, 2048, "1", False), (256, False, 1024, "1", True),
-    (128, True, 2048, "1", False)])
+    (64, False, 2304, "", False), (64, False, 2304, "1", True), (64, False, 2048, "1", False),
+    (256, False, 1024, "1", True), (128, True, 2048, "1", False)])
 def test_calls_run_in_cta_pairs_where_measured_faster_or_forced(monkeypatch, d, causal, seqlen_q, setting, pairs):
     """Head dim 128 non-causal calls with 160-key blocks run in CTA pairs sharing K and V, when the
     query blocks of a head pair up; KV_CLUSTERS_VARIABLE forces pairs wherever possible or none.
@@ -397,11 +397,20 @@ def test_a_paired_grid_is_the_pairs_the_device_holds_at_once(monkeypatch, reside
 
 
 def test_cta_pairs_refuse_calls_they_cannot_run():
+    """Pairs need a non-causal call with a positive, even number of query blocks per head and an
+    output not staged over the V stages they share; a paired launch has an even grid."""
     config = dataclasses.replace(wgmma_fwd.forward_config(128, "bfloat16", False, seqlen=2048), cluster_kv=True)
     for causal, seqlen_q in ((True, 2048), (False, 2100)):
         problem = AttentionProblem(AttentionShape(2, seqlen_q, 2048, 16, 16, 128, "bfloat16", 0.1), causal)
         with pytest.raises(ValueError, match=f"causal={causal}, seqlen_q={seqlen_q}"):
             wgmma_fwd.launch_plan(problem, config, 132)
+    problem = AttentionProblem(AttentionShape(8, 2048, 2048, 16, 16, 128, "bfloat16", 0.1), False)
+    assert wgmma_fwd.launch_plan(problem, config, 133) == (132, wgmma_fwd.TailSplit(16))  # 2048 tiles, whole
+    assert not wgmma_fwd.pairs_possible(config, False, 0)
+    over_v = wgmma_fwd.forward_config(256, "bfloat16", False, seqlen=512)
+    assert over_v.output_over_v and not wgmma_fwd.pairs_possible(over_v, False, 512)
+    short_256 = AttentionProblem(AttentionShape(2, 512, 512, 8, 8, 256, "bfloat16", 0.1), False)
+    assert not wgmma_fwd.paired(over_v, short_256).cluster_kv
 
 
 def test_unsupported_reasons_name_what_is_missing():

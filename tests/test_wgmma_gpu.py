@@ -201,6 +201,38 @@ def test_split_tails_match(monkeypatch, ran, head_dim, b, sq, sk, heads, heads_k
 
 
 @hopper_only
+@pytest.mark.parametrize("head_dim, b, sq, sk, heads, heads_kv, dtype", [
+    (128, 8, 2048, 2048, 16, 16, "bf16"), (128, 2, 2000, 2000, 8, 2, "fp16"), (64, 3, 1536, 1500, 8, 8, "bf16"),
+    (96, 4, 1000, 777, 8, 8, "bf16"), (256, 2, 2048, 2048, 8, 8, "fp16"), (128, 2, 1024, 900, 8, 8, "bf16")])
+def test_cta_pairs_match_unpaired_whole_tiles(monkeypatch, ran, head_dim, b, sq, sk, heads, heads_kv, dtype):
+    """Non-causal calls in CTA pairs (clusters of two sharing each K and V block by multicast),
+    forced at every tile kind: 160-key blocks (the default pairs; at 2000 keys the last block's
+    second half lies wholly past the keys), three consumer groups, GQA, the staged output of short
+    calls. Against the fp32 reference, and bit for bit against the same call unpaired with whole
+    tiles (the same summation order)."""
+    import cupy as cp
+
+    from cuflash2.families.wgmma import forward as wgmma_forward
+    from cuflash2.problem.features import AttentionProblem
+    from cuflash2.problem.tensors import AttentionShape
+
+    q, k, v = make_inputs(cp, b, sq, sk, heads, heads_kv, head_dim, dtype,
+                          stable_seed("wgmma-pairs", head_dim, b, sq, sk, heads, heads_kv, dtype))
+    name = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
+    problem = AttentionProblem(AttentionShape(b, sq, sk, heads, heads_kv, head_dim, name, 0.1), False)
+    config = wgmma_forward.forward_config(head_dim, name, False, seqlen=max(sq, sk))
+    outputs = {}
+    for pairs in ("1", "0"):
+        monkeypatch.setenv(wgmma_forward.KV_CLUSTERS_VARIABLE, pairs)
+        monkeypatch.setenv(wgmma_forward.SPLIT_TAIL_VARIABLE, "0")
+        assert wgmma_forward.paired(config, problem).cluster_kv == (pairs == "1")
+        outputs[pairs] = check_forward(cp, q, k, v, False)
+    (o1, l1), (o0, l0) = outputs.values()
+    assert bool((o1.view(cp.uint16) == o0.view(cp.uint16)).all()) and bool((l1 == l0).all())
+    assert ran == {"wgmma": 2, "mma_sync": 0}
+
+
+@hopper_only
 def test_strided_views_and_out(ran):
     """q, k, v as views of one packed (b, s, 3, h, d) tensor and a given `out` (strides TMA takes)."""
     import cupy as cp

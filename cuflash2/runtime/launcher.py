@@ -207,8 +207,9 @@ class _LaunchConfig(ctypes.Structure):
 def max_active_clusters(config, device_id: int, cluster_ctas: int) -> int:
     """How many clusters of `cluster_ctas` CTAs of `config`'s kernel (its cluster dims compiled in)
     the device runs at once: cuOccupancyMaxActiveClusters, through ctypes (CuPy has no binding).
-    It depends on how the SMs fall into GPCs and on what else holds them, not on the SM count
-    alone; 0 where not even one cluster fits."""
+    It depends on how the SMs the process sees (an MPS limit, a green context) fall into GPCs, not
+    on the SM count alone, and not on other work running at the time; asked once per config and
+    device. 0 where not even one cluster fits."""
     kernel = get_kernel(config, device_id)
     launch = _LaunchConfig((ctypes.c_uint * 3)(cluster_ctas, 1, 1), (ctypes.c_uint * 3)(config.threads, 1, 1),
                            config.smem_bytes, None, None, 0)

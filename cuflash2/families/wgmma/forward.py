@@ -197,9 +197,10 @@ PAIRED_BLOCK_N = WIDE_BLOCK_N
 
 def pairs_possible(config: WgmmaFwdConfig, causal: bool, seqlen_q: int) -> bool:
     """Whether a call can run in CTA pairs: non-causal (the pair's tiles need the same key blocks),
-    an even number of query blocks per head (a pair's tiles share a head), and the output not staged
-    over the V stages (which the pair shares)."""
-    return not causal and not config.output_over_v and -(-seqlen_q // config.block_m) % 2 == 0
+    a positive, even number of query blocks per head (a pair's tiles share a head), and the output
+    not staged over the V stages (which the pair shares)."""
+    blocks = -(-seqlen_q // config.block_m)
+    return not causal and not config.output_over_v and blocks > 0 and blocks % 2 == 0
 
 
 def paired(config: WgmmaFwdConfig, problem: AttentionProblem) -> WgmmaFwdConfig:
