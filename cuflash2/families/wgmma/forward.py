@@ -191,7 +191,7 @@ def forward_config(head_dim: int, dtype: str, causal: bool, hang_check: bool = F
 #: which sets the clock at the board's power limit. H200, kernel A/B in sustained turns (1 s, 4 rounds in
 #: rotating order) against the kernel as is: bf16 2k / 4k 568 / 596 -> 575 / 603 TFLOP/s, fp16
 #: 544 / 574 -> 551 / 583 (cuDNN 563 / 582 and 537 / 560); in short samples, where the clock is
-#: not held by the power limit, 1.5-2.6% slower (the pair waits for its slower CTA).
+#: not held by the power limit, 1.4-2.6% slower (the pair waits for its slower CTA).
 PAIRED_BLOCK_N = WIDE_BLOCK_N
 
 
