@@ -173,8 +173,8 @@ def compare(d: int, args) -> None:
                                          cluster_kv=pairs)
             # A baseline source from before the pairs would ignore CF_CLUSTER_KV and wait forever
             # for the half of each block its pair never loads: unpaired unless 'p' asks for them.
-            unpaired = dataclasses.replace(config, cluster_kv=pairs and pairs_asked)
-            variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(unpaired, source))
+            baseline = dataclasses.replace(config, cluster_kv=pairs and pairs_asked)
+            variants = [("", config)] + [(f"{source.rsplit('/', 1)[-1].removesuffix('.cu')} ", with_source(baseline, source))
                                          for source in filter(None, args.baseline.split(","))]
             splits = [("split ", True), ("whole ", False)] if args.split_tail and not pairs else [("", None)]
             for label, variant in variants:

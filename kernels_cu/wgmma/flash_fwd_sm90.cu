@@ -113,8 +113,6 @@ struct FwdTile {
     static_assert(kGroups == 2 || kGroups == 3, "two or three consumer warpgroups");
 };
 
-// The mbarriers (and the tile hand-over slot) at the end of shared memory, by shared-window
-// address: one 32-bit base stays live, each barrier is base + a constant.
 // CF_CLUSTER_KV (non-causal whole-tile walks, the host's cluster_kv): CTAs run in clusters of two
 // on neighbouring query blocks of one head (tiles c and c + 1 of each round of the static walk, c
 // even), and each loads half of every K and V block into both with a multicast TMA, halving the
@@ -128,6 +126,8 @@ constexpr int kClusterCtas = 1;
 #define CF_CLUSTER_DIMS
 #endif
 
+// The mbarriers (and the tile hand-over slot) at the end of shared memory, by shared-window
+// address: one 32-bit base stays live, each barrier is base + a constant.
 struct FwdBarriers {
     u32 base;
     CF_DEVICE u32 tile_full() const { return base; }  // causal: the producer hands over a tile index

@@ -188,19 +188,24 @@ def forward_config(head_dim: int, dtype: str, causal: bool, hang_check: bool = F
 #: Key block of the calls that run in CTA pairs by default (head dim 128, non-causal, 1k-8k keys).
 #: Each CTA of a pair loads half of every K and V block into both with a multicast TMA, which halves
 #: the K/V traffic from L2 into the SMs (1 MiB per 128-row tile at 2k keys, some 4.5 TB/s): energy,
-#: which sets the clock at the board's power limit. H200, kernel A/B in sustained turns (1 s, 4 rounds in
-#: rotating order) against the kernel as is: bf16 2k / 4k 568 / 596 -> 575 / 603 TFLOP/s, fp16
+#: which sets the clock at the board's power limit. H200, kernel A/B in sustained turns (1 s, 4
+#: rounds in rotating order) against the kernel as is: bf16 2k / 4k 568 / 596 -> 575 / 603 TFLOP/s, fp16
 #: 544 / 574 -> 551 / 583 (cuDNN 563 / 582 and 537 / 560); in short samples, where the clock is
 #: not held by the power limit, 1.4-2.6% slower (the pair waits for its slower CTA).
 PAIRED_BLOCK_N = WIDE_BLOCK_N
 
 
+def pair_build_exists(config: WgmmaFwdConfig) -> bool:
+    """Whether the instantiation has a CTA-pair build: non-causal (the pair's tiles need the same
+    key blocks), the output not staged over the V stages (which the pair shares)."""
+    return not config.causal and not config.output_over_v
+
+
 def pairs_possible(config: WgmmaFwdConfig, causal: bool, seqlen_q: int) -> bool:
-    """Whether a call can run in CTA pairs: non-causal (the pair's tiles need the same key blocks),
-    a positive, even number of query blocks per head (a pair's tiles share a head), and the output
-    not staged over the V stages (which the pair shares)."""
+    """Whether a call can run in CTA pairs: a non-causal call on an instantiation with a pair build,
+    and a positive, even number of query blocks per head (a pair's tiles share a head)."""
     blocks = -(-seqlen_q // config.block_m)
-    return not causal and not config.output_over_v and blocks > 0 and blocks % 2 == 0
+    return not causal and pair_build_exists(config) and blocks > 0 and blocks % 2 == 0
 
 
 def paired(config: WgmmaFwdConfig, problem: AttentionProblem) -> WgmmaFwdConfig:
@@ -215,7 +220,7 @@ def paired(config: WgmmaFwdConfig, problem: AttentionProblem) -> WgmmaFwdConfig:
 
 def with_pairs(configs: list[WgmmaFwdConfig]) -> list[WgmmaFwdConfig]:
     """The configs and their CTA-pair builds, where a call may run one (KV_CLUSTERS_VARIABLE)."""
-    return configs + [dataclasses.replace(c, cluster_kv=True) for c in configs if not c.causal and not c.output_over_v]
+    return configs + [dataclasses.replace(c, cluster_kv=True) for c in configs if pair_build_exists(c)]
 
 
 def all_configs() -> list[WgmmaFwdConfig]:
@@ -347,8 +352,7 @@ def launch_plan(problem: AttentionProblem, config: WgmmaFwdConfig, ctas: int,
             raise ValueError(f"CTA pairs (cluster_kv) need a non-causal call with an even number of query "
                              f"blocks per head, got causal={problem.causal}, seqlen_q={shape.seqlen_q}")
         grid -= grid % 2
-        return grid, split_tail(tiles, grid, 1, False)
-    if problem.causal or grid == 0:
+    if problem.causal or config.cluster_kv or grid == 0:
         return grid, TailSplit(-(-tiles // max(grid, 1)))
     if split_setting is None:
         split_setting = switch_setting(SPLIT_TAIL_VARIABLE)
@@ -372,11 +376,12 @@ def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream
     ctas = sm_count(device_id)
     if config.cluster_kv:
         # Pairs need two SMs of one GPC: the grid is as many pairs as the device holds at once (a
-        # persistent walk must not leave a pair waiting for a second wave), none, unpaired.
+        # persistent walk must not leave a pair waiting for a second wave); none, unpaired.
         pairs = launcher.max_active_clusters(config, device_id, 2)
-        ctas = min(ctas, 2 * pairs)
-        if not pairs:
-            config, ctas = dataclasses.replace(config, cluster_kv=False), sm_count(device_id)
+        if pairs:
+            ctas = min(ctas, 2 * pairs)
+        else:
+            config = dataclasses.replace(config, cluster_kv=False)
     grid, split = launch_plan(problem, config, ctas, split_setting)
     if grid == 0:
         return
