@@ -904,3 +904,20 @@ def test_the_deterministic_backward_is_its_own_instantiation():
     configs = [c for c in wgmma_bwd.all_configs() if isinstance(c, wgmma_bwd.WgmmaBwdConfig)]
     assert {(c.head_dim, c.causal, c.dtype, c.gqa) for c in configs if c.deterministic} == {
         (c.head_dim, c.causal, c.dtype, c.gqa) for c in configs if not c.deterministic}
+
+
+@pytest.mark.parametrize("head_dim, seqlen, splits", [(256, 2048, False), (256, 4096, False), (256, 8192, True),
+                                                      (192, 2048, True), (64, 2048, True)])
+def test_wide_head_dims_split_their_tail_from_8k_keys(monkeypatch, head_dim, seqlen, splits):
+    """FA2's grid (1024-2048 tiles on 132 SMs, a partly filled last round): above head dim 192 the
+    tail is split only from WIDE_HEAD_SPLIT_SEQLEN keys, at smaller head dims at every length; the
+    environment variable still forces it either way."""
+    monkeypatch.delenv(wgmma_fwd.SPLIT_TAIL_VARIABLE, raising=False)
+    shape = AttentionShape(16384 // seqlen, seqlen, seqlen, 2048 // head_dim, 2048 // head_dim, head_dim,
+                           "bfloat16", 0.1)
+    problem = AttentionProblem(shape, False)
+    config = dataclasses.replace(wgmma_fwd.forward_config(head_dim, "bfloat16", False, seqlen=seqlen),
+                                 cluster_kv=False)
+    assert (wgmma_fwd.launch_plan(problem, config, 132)[1].units > 0) == splits
+    monkeypatch.setenv(wgmma_fwd.SPLIT_TAIL_VARIABLE, "1")
+    assert wgmma_fwd.launch_plan(problem, config, 132)[1].units > 0

@@ -274,6 +274,15 @@ def tile_count(shape, config: WgmmaFwdConfig) -> int:
 MIN_IDLE_TILES = 0.1
 
 
+#: Above head dim 192, non-causal calls split their tail only from this many keys. A cut tile hands
+#: 64 KB per consumer group over in fp32 (twice head dim 128's), and its two halves are a few of the
+#: tile's 80-key blocks each: H200, kernel A/B at 2k / 4k keys, whole tiles against a split tail,
+#: sustained bf16 645 / 684 against 628 / 672 TFLOP/s, fp16 624 / 654 against 606 / 644, short
+#: samples +3% / 0% (bf16) and +3% / +4% (fp16); at 8k-16k the two even sustained and the split
+#: ahead in short samples. Head dims 64 and 128 gain from the split at every length measured.
+WIDE_HEAD_SPLIT_SEQLEN = 8192
+
+
 @dataclasses.dataclass(frozen=True)
 class TailSplit:
     """The non-causal walk of `ctas` CTAs (span_at in the kernel): `whole_rounds` rounds of whole
@@ -360,6 +369,8 @@ def launch_plan(problem: AttentionProblem, config: WgmmaFwdConfig, ctas: int,
         # Short calls keep whole tiles: a tile is a few key blocks there, and the two extra spans
         # of a split (each a Q load and a pipeline start) cost what the idle SMs did (H200, kernel
         # A/B: d128 / d256 at 512 -4% / -9%, at 1k -0.3% / -3.5%).
+        split_setting = False
+    if split_setting is None and config.head_dim > 192 and shape.seqlen_k < WIDE_HEAD_SPLIT_SEQLEN:
         split_setting = False
     return grid, split_tail(tiles, grid, -(-shape.seqlen_k // config.block_n), split_setting)
 
