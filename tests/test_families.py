@@ -27,8 +27,14 @@ class ForwardOnlyFamily:
     def __init__(self):
         self.calls = []
 
+    def unsupported_reason(self, arch, problem, direction, tensors=(), deterministic=False):
+        return "" if arch == 90 and direction == "forward" and problem.plain else "not a plain sm_90 forward"
+
     def supports(self, arch, problem, direction, tensors=(), deterministic=False):
-        return arch == 90 and direction == "forward" and problem.plain
+        return not self.unsupported_reason(arch, problem, direction, tensors, deterministic)
+
+    def describe(self, problem, direction, sm_count):
+        return f"one tile per SM ({sm_count})"
 
     def forward(self, problem, q, k, v, out, lse, device_id, stream):
         self.calls.append((problem, q, out, device_id, stream))
@@ -111,6 +117,9 @@ def test_every_family_has_what_the_core_and_the_cli_call():
         assert isinstance(family.name, str) and family.name != "auto"
         assert callable(family.supports) and callable(family.all_configs) and callable(family.compile_configs)
         for direction, entry in (("forward", "forward"), ("backward", "backward"), ("kvcache", "kvcache")):
+            reason = family.unsupported_reason(90, PROBLEM, direction)
+            assert family.supports(90, PROBLEM, direction) == (reason == "") and isinstance(reason, str)
+            assert isinstance(family.describe(PROBLEM, direction, 132), str)
             if family.supports(90, PROBLEM, direction):
                 assert callable(getattr(family, entry)), (family.name, entry)
     assert len(set(families.family_names())) == len(families.FAMILIES)
@@ -144,3 +153,54 @@ def test_info_refuses_a_bad_arch():
 def test_numpy_calls_need_no_family():
     q = np.zeros((1, 4, 2, 32), np.float16)
     assert np.all(__import__("cuflash2").flash_attn_func(q, q, q) == 0)
+
+
+def test_passed_over_says_why_each_family_before_the_chosen_one_does_not_run_a_call(two_families, monkeypatch):
+    windowed = AttentionProblem(SHAPE, True, Features(window_left=64))
+    assert families.passed_over(90, PROBLEM, "forward") == []
+    assert families.passed_over(90, windowed, "forward") == [("forward_only", "not a plain sm_90 forward")]
+    monkeypatch.setenv(families.FAMILY_VARIABLE, "mma_sync")
+    assert families.passed_over(90, PROBLEM, "forward") == []
+
+
+def test_the_real_families_give_reasons(monkeypatch):
+    monkeypatch.delenv(families.FAMILY_VARIABLE, raising=False)
+    d160 = AttentionProblem(AttentionShape(2, 512, 512, 8, 8, 160, "bfloat16", 0.08), False)
+    assert families.passed_over(90, d160, "backward") == [
+        ("wgmma", "runs head dims that are multiples of 8 in 32-128 and 192-256, got 160")]
+    assert families.passed_over(80, PROBLEM, "forward") == [
+        ("wgmma", "needs compute capability 9.0 (sm_90a), got 8.0")]
+    assert "KV-cache" in families.passed_over(90, PROBLEM, "kvcache")[0][1]
+    assert "8.0 or newer, got 7.5" in mma_sync.FAMILY.unsupported_reason(75, PROBLEM, "forward")
+
+
+def test_info_describes_the_problem_its_options_give():
+    """The problem options of `cuflash2 info`: the family of each direction, the reasons of the
+    families passed over, and the Hopper forward's tile and walk."""
+    result = CliRunner().invoke(main, ["info", "--arch", "sm_90", "--head-dim", "96", "--seqlen", "4096",
+                                       "--no-causal", "--window", "256,0", "--dtype", "fp16"])
+    assert result.exit_code == 0, result.output
+    section = result.output.split("Kernel families")[1]
+    assert "batch 2, seqlen 4096, 8 heads, head dim 96, not causal, window (256, 0), fp16 on sm_90" in section
+    assert "forward              mma_sync (wgmma: runs plain and causal attention only" in section
+    assert "forward plan" not in section
+    facts = json.loads(CliRunner().invoke(main, ["info", "--json", "--arch", "sm_90", "--head-dim", "128",
+                                                 "--seqlen", "2048", "--batch", "8", "--heads", "16",
+                                                 "--heads-kv", "4", "--no-causal"]).output)["families"]
+    assert facts["problem"] == "batch 8, seqlen 2048, 16 / 4 heads, head dim 128, not causal, bf16"
+    assert facts["forward"] == facts["backward"] == "wgmma" and facts["passed_over"]["forward"] == []
+    assert facts["passed_over"]["kvcache"][0]["family"] == "wgmma"
+    assert "160-key blocks" in facts["forward_plan"] and "CTA pairs" in facts["forward_plan"]
+    assert facts["forward_plan"].endswith("2048 tiles on 132 CTAs, whole tiles")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--heads", "8", "--heads-kv", "3"], "--heads-kv: expected a divisor of --heads (8), got 3"),
+    (["--window", "12"], "--window: expected LEFT,RIGHT"),
+    (["--window", "-2,0"], "--window: expected entries >= -1"),
+    (["--head-dim", "300"], "--head-dim"),
+    (["--dropout", "1.0"], "--dropout"),
+])
+def test_info_refuses_a_problem_it_cannot_describe(args, message):
+    result = CliRunner().invoke(main, ["info", *args])
+    assert result.exit_code == 2 and message in result.output, result.output

@@ -921,3 +921,24 @@ def test_wide_head_dims_split_their_tail_from_8k_keys(monkeypatch, head_dim, seq
     assert (wgmma_fwd.launch_plan(problem, config, 132)[1].units > 0) == splits
     monkeypatch.setenv(wgmma_fwd.SPLIT_TAIL_VARIABLE, "1")
     assert wgmma_fwd.launch_plan(problem, config, 132)[1].units > 0
+
+
+def test_the_plan_in_words_follows_the_launch_plan(monkeypatch):
+    """describe_plan (`cuflash2 info`): the tile, the output path, CTA pairs and the walk that
+    forward would launch on that many SMs."""
+    for variable in (wgmma_fwd.SPLIT_TAIL_VARIABLE, wgmma_fwd.KV_CLUSTERS_VARIABLE):
+        monkeypatch.delenv(variable, raising=False)
+
+    def plan(head_dim, seqlen, causal, ctas=132):
+        shape = AttentionShape(16384 // seqlen, seqlen, seqlen, 2048 // head_dim, 2048 // head_dim, head_dim,
+                               "bfloat16", 0.1)
+        return wgmma_fwd.describe_plan(AttentionProblem(shape, causal), ctas)
+
+    assert plan(128, 2048, False) == ("128 query rows (2 consumer warpgroups) by 160-key blocks, output stored "
+                                      "from registers, CTA pairs sharing each K and V block, 2048 tiles on 132 "
+                                      "CTAs, whole tiles")
+    assert plan(64, 4096, False).startswith("192 query rows (3 consumer warpgroups) by 128-key blocks")
+    assert plan(64, 4096, False).endswith("the last round split across the SMs")
+    assert plan(256, 2048, False).endswith("1024 tiles on 132 CTAs, whole tiles")
+    assert "output staged for TMA stores" in plan(128, 512, True) and plan(128, 512, True).endswith("longest tiles first")
+    assert plan(128, 2048, False, ctas=1000).endswith("2048 tiles on 1000 CTAs, whole tiles")

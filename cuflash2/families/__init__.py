@@ -5,8 +5,10 @@ family's entry point for the direction with the problem description, the describ
 and the stream. A family is an object with:
 
     name: str
-    supports(arch: int, problem: AttentionProblem, direction: str, tensors=(),
-             deterministic=False) -> bool
+    unsupported_reason(arch: int, problem: AttentionProblem, direction: str, tensors=(),
+                       deterministic=False) -> str                          # "": it runs the call
+    supports(...same arguments...) -> bool                                  # not unsupported_reason
+    describe(problem, direction: str, sm_count: int) -> str                 # its plan for the call
     forward(problem, q, k, v, out, lse, device_id: int, stream) -> None     # "forward"
     backward(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id, stream,
              deterministic) -> None                                         # "backward"
@@ -54,6 +56,18 @@ def forced_family() -> str:
     return value
 
 
+def passed_over(arch: int, problem: AttentionProblem, direction: str, deterministic: bool = False) -> list:
+    """(name, reason) of each family tried before the one that runs `problem` in `direction` on
+    `arch` (family_for), in the order tried: why a call does not run on a faster family."""
+    skipped = []
+    for family in candidates():
+        reason = family.unsupported_reason(arch, problem, direction, (), deterministic)
+        if not reason:
+            break
+        skipped.append((family.name, reason))
+    return skipped
+
+
 def compile_configs(arch: int, dims: list[int], dtypes: list[str], kinds: tuple[str, ...] = ("fwd", "bwd")) -> list:
     """Every instantiation the families launch on `arch` for these head dims and dtypes, sorted by
     name (what `cuflash2 compile` builds)."""
@@ -93,4 +107,4 @@ def family_for(arch: int, problem: AttentionProblem, direction: str, tensors=(),
 
 
 __all__ = ["DIRECTIONS", "FAMILIES", "FAMILY_VARIABLE", "candidates", "compile_configs", "environment", "family_for",
-           "family_names", "forced_family"]
+           "family_names", "forced_family", "passed_over"]

@@ -33,8 +33,19 @@ class MmaSyncFamily:
     name = "mma_sync"
 
     @staticmethod
+    def unsupported_reason(arch: int, problem: AttentionProblem, direction: str, tensors=(),
+                           deterministic: bool = False) -> str:
+        return "" if arch >= 80 else f"needs compute capability 8.0 or newer, got {arch // 10}.{arch % 10}"
+
+    @staticmethod
     def supports(arch: int, problem: AttentionProblem, direction: str, tensors=(), deterministic: bool = False) -> bool:
         return arch >= 80
+
+    @staticmethod
+    def describe(problem: AttentionProblem, direction: str, sm_count: int) -> str:
+        """Nothing beyond the family's name: its tiles follow from the head dim (forward_tiles,
+        backward_plans, kvcache_tiles)."""
+        return ""
 
     @staticmethod
     def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream) -> None:

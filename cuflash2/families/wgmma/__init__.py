@@ -24,10 +24,23 @@ class WgmmaFamily:
     name = "wgmma"
 
     @staticmethod
-    def supports(arch: int, problem: AttentionProblem, direction: str, tensors=(), deterministic: bool = False) -> bool:
+    def unsupported_reason(arch: int, problem: AttentionProblem, direction: str, tensors=(),
+                           deterministic: bool = False) -> str:
         if direction == "backward":
-            return not backward_kernel.unsupported_reason(arch, problem, deterministic, tensors)
-        return direction == "forward" and not unsupported_reason(arch, problem, tensors)
+            return backward_kernel.unsupported_reason(arch, problem, deterministic, tensors)
+        if direction == "forward":
+            return unsupported_reason(arch, problem, tensors)
+        return "runs no KV-cache calls: decoding is memory-bound, and the mma.sync kernels run it"
+
+    @staticmethod
+    def supports(arch: int, problem: AttentionProblem, direction: str, tensors=(), deterministic: bool = False) -> bool:
+        return not WgmmaFamily.unsupported_reason(arch, problem, direction, tensors, deterministic)
+
+    @staticmethod
+    def describe(problem: AttentionProblem, direction: str, sm_count: int) -> str:
+        """The forward's tile and walk for a call it runs on `sm_count` SMs ("" for the other
+        directions)."""
+        return forward_kernel.describe_plan(problem, sm_count) if direction == "forward" else ""
 
     @staticmethod
     def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, device_id: int, stream,

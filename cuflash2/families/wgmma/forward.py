@@ -375,6 +375,29 @@ def launch_plan(problem: AttentionProblem, config: WgmmaFwdConfig, ctas: int,
     return grid, split_tail(tiles, grid, -(-shape.seqlen_k // config.block_n), split_setting)
 
 
+def call_config(problem: AttentionProblem) -> WgmmaFwdConfig:
+    """The instantiation a call runs: its tile (forward_config), in CTA pairs where they are wanted
+    and possible (paired)."""
+    shape = problem.shape
+    return paired(forward_config(shape.head_dim, shape.dtype, problem.causal, hang_check(),
+                                 max(shape.seqlen_q, shape.seqlen_k)), problem)
+
+
+def describe_plan(problem: AttentionProblem, ctas: int) -> str:
+    """The tile and the walk of a call on a GPU with `ctas` SMs, in words (`cuflash2 info`). CTA
+    pairs as if the device holds them (forward runs unpaired where it holds none)."""
+    config = call_config(problem)
+    grid, split = launch_plan(problem, config, ctas)
+    parts = [f"{config.block_m} query rows ({config.groups} consumer warpgroups) by {config.block_n}-key blocks",
+             "output staged for TMA stores" if config.staged_output else "output stored from registers"]
+    if config.cluster_kv:
+        parts.append("CTA pairs sharing each K and V block")
+    walk = ("longest tiles first" if problem.causal else
+            "the last round split across the SMs" if split.units else "whole tiles")
+    parts.append(f"{tile_count(problem.shape, config)} tiles on {grid} CTAs, {walk}")
+    return ", ".join(parts)
+
+
 def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream,
             config: WgmmaFwdConfig | None = None, split_setting: bool | None = None) -> None:
     """out, lse <- attention(q, k, v) (TensorInfo of (batch, seqlen, heads, head_dim) tensors and of
@@ -382,8 +405,7 @@ def forward(problem: AttentionProblem, q, k, v, out, lse, device_id: int, stream
     per SM, at most one per tile. `config` and `split_setting` (see launch_plan) override the
     choices of a call, for kernel A/Bs."""
     shape = problem.shape
-    config = config or paired(forward_config(shape.head_dim, shape.dtype, problem.causal, hang_check(),
-                                             max(shape.seqlen_q, shape.seqlen_k)), problem)
+    config = config or call_config(problem)
     ctas = sm_count(device_id)
     if config.cluster_kv:
         # Pairs need two SMs of one GPC: the grid is as many pairs as the device holds at once (a
