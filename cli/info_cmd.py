@@ -143,7 +143,7 @@ def family_choice(arch: int, problem=None, deterministic: bool = False, sm_count
             {"family": name, "reason": reason}
             for name, reason in families.passed_over(arch, problem, direction, deterministic)]
         if direction == "forward":
-            choice["forward_plan"] = family.describe(problem, direction, sm_count) or None
+            choice["forward_plan"] = _safe(family.describe, problem, direction, sm_count) or None
     return choice
 
 
