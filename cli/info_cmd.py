@@ -267,6 +267,7 @@ def collect_json(arch: int | None = None, problem=None, deterministic: bool = Fa
             nvrtc=version(lambda: "{}.{}".format(*cupy.cuda.nvrtc.getVersion())))
     versions.update(numpy=_dist_version("numpy"), ml_dtypes=_dist_version("ml_dtypes"))
     kernel_dir = _or_none(compiler.kernel_dir)
+    family_arch = _arch_of(cp, arch)[0]
     return {
         "cuflash2": {"version": cuflash2.__version__, "backward_available": hasattr(cuflash2, "flash_attn_backward"),
                      "kernel_sources_hash": _or_none(compiler.sources_hash),
@@ -276,7 +277,7 @@ def collect_json(arch: int | None = None, problem=None, deterministic: bool = Fa
         "versions": versions,
         "interop": {module: _framework_facts(module, dist) for module, dist in FRAMEWORKS},
         "peak": peak,
-        "families": family_choice(_arch_of(cp, arch)[0], problem, deterministic, _sm_count(cp, _arch_of(cp, arch)[0])),
+        "families": family_choice(family_arch, problem, deterministic, _sm_count(cp, family_arch)),
     }
 
 

@@ -39,7 +39,7 @@ class MmaSyncFamily:
 
     @staticmethod
     def supports(arch: int, problem: AttentionProblem, direction: str, tensors=(), deterministic: bool = False) -> bool:
-        return arch >= 80
+        return not MmaSyncFamily.unsupported_reason(arch, problem, direction, tensors, deterministic)
 
     @staticmethod
     def describe(problem: AttentionProblem, direction: str, sm_count: int) -> str:

@@ -365,12 +365,12 @@ def launch_plan(problem: AttentionProblem, config: WgmmaFwdConfig, ctas: int,
         return grid, TailSplit(-(-tiles // max(grid, 1)))
     if split_setting is None:
         split_setting = switch_setting(SPLIT_TAIL_VARIABLE)
-    if split_setting is None and config.staged_output:
+    if split_setting is None and (config.staged_output or
+                                  (config.head_dim > 192 and shape.seqlen_k < WIDE_HEAD_SPLIT_SEQLEN)):
         # Short calls keep whole tiles: a tile is a few key blocks there, and the two extra spans
         # of a split (each a Q load and a pipeline start) cost what the idle SMs did (H200, kernel
-        # A/B: d128 / d256 at 512 -4% / -9%, at 1k -0.3% / -3.5%).
-        split_setting = False
-    if split_setting is None and config.head_dim > 192 and shape.seqlen_k < WIDE_HEAD_SPLIT_SEQLEN:
+        # A/B: d128 / d256 at 512 -4% / -9%, at 1k -0.3% / -3.5%). So do head dims above 192 below
+        # WIDE_HEAD_SPLIT_SEQLEN keys.
         split_setting = False
     return grid, split_tail(tiles, grid, -(-shape.seqlen_k // config.block_n), split_setting)
 
